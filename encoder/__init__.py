@@ -1,0 +1,1 @@
+"""vlmserve: encoder."""

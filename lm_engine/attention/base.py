@@ -1,0 +1,129 @@
+"""The attention backend contract: paged KV writes, paged decode, and chunked prefill over a ragged batch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flat token batch, built once per step and shared by every layer.
+
+    Tokens are ordered decodes first (one token each), then prefill chunks. ``slot_mapping[i]`` is the
+    KV slot (``block * block_size + offset``) token ``i`` writes; -1 writes nothing.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor  # [num_decodes] int32, including the new token
+    # One entry per prefill chunk: (query start in the flat batch, query length, context length incl. the chunk)
+    prefill_spans: list[tuple[int, int, int]]
+    prefill_block_tables: list[torch.Tensor]  # per chunk: [num_blocks] int64 covering the context
+    max_decode_context: int = 0
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention for a ragged batch against a paged KV cache.
+
+    Contract for implementations:
+    - ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    - ``write_kv`` stores the step's new keys/values at ``slot_mapping`` before any read, so a token
+      attends to itself and to everything computed earlier for its sequence.
+    - ``decode`` takes one query per sequence (``[num_seqs, num_heads, head_dim]``) and attends over
+      the first ``context_lens[i]`` slots of that sequence's block table; grouped-query attention maps
+      query head ``h`` to KV head ``h // (num_heads // num_kv_heads)``.
+    - Results equal softmax(q·kᵀ·scale)·v within the dtype's rounding; no attention matrix over the
+      whole batch is materialised.
+    """
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    @abstractmethod
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_context: int,
+    ) -> torch.Tensor: ...
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        context_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of a chunk of ``q_len`` queries that end the ``context_len``-token context."""
+        q_len = q.shape[0]
+        if context_len == q_len:
+            keys, values = k, v  # nothing earlier: attend to the chunk itself, no gather
+        else:
+            block_size = k_cache.shape[1]
+            n_blocks = (context_len + block_size - 1) // block_size
+            blocks = block_table[:n_blocks]
+            keys = k_cache[blocks].flatten(0, 1)[:context_len]
+            values = v_cache[blocks].flatten(0, 1)[:context_len]
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        kh = keys.transpose(0, 1).unsqueeze(0)
+        vh = values.transpose(0, 1).unsqueeze(0)
+        if context_len == q_len:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            offset = context_len - q_len
+            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + offset
+            cols = torch.arange(context_len, device=q.device).unsqueeze(0)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=cols <= rows, scale=scale, enable_gqa=True
+            )
+        return out.squeeze(0).transpose(0, 1)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the flat batch. Returns [T, H, D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                meta.max_decode_context,
+            )
+        for (start, q_len, context_len), table in zip(meta.prefill_spans, meta.prefill_block_tables):
+            sl = slice(start, start + q_len)
+            out[sl] = self.prefill(q[sl], k[sl], v[sl], k_cache, v_cache, table, context_len, scale)
+        return out

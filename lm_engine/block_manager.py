@@ -1,0 +1,205 @@
+"""KV block allocation: reference counts, lazy LRU eviction, prefix-cache hits and copy-on-write."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from lm_engine.prefix_cache import ROOT_HASH, PrefixIndex, block_key, hash_block
+from lm_engine.sequence import Sequence
+
+
+class BlockAllocator:
+    """Reference-counted blocks. Freed blocks wait in LRU order and keep their prefix hash until reused."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def pop_free(self) -> tuple[int, int | None]:
+        """Take the least recently freed block; returns it with the hash it held (now to be evicted)."""
+        block_id, _ = self.free.popitem(last=False)
+        old_hash, self.hashes[block_id] = self.hashes[block_id], None
+        self.ref_counts[block_id] = 1
+        return block_id, old_hash
+
+    def incref(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        assert self.ref_counts[block_id] > 0, f"double free of block {block_id}"
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            self.free[block_id] = None
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, watermark: float = 0.01
+    ) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks)
+        self.index = PrefixIndex()
+        self.watermark_blocks = max(1, int(watermark * num_blocks)) if num_blocks > 8 else 0
+        self.prefix_queries = 0  # tokens looked up / hit, for the hit-rate metric
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def usage(self) -> float:
+        return 1.0 - self.allocator.num_free / max(1, self.num_blocks)
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # -- prefix matching -------------------------------------------------------------------------------
+    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest prefix of ``seq``'s full blocks."""
+        if not self.enable_prefix_caching:
+            return [], []
+        bs = self.block_size
+        # NOTE: at least the last token is computed, so a sampler has logits for it.
+        n_full = (seq.num_tokens - 1) // bs
+        parent = ROOT_HASH
+        hits: list[int] = []
+        hashes: list[int] = []
+        for i in range(n_full):
+            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.images, i * bs)
+            h = hash_block(key)
+            block_id = self.index.lookup(h, key)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            hashes.append(h)
+            parent = h
+        return hits, hashes
+
+    def can_allocate(self, seq: Sequence, keep_watermark: bool = True) -> bool:
+        """Whether ``seq`` fits now; the watermark keeps room for running sequences to grow."""
+        hits, _ = self._match(seq)
+        reusable_free = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
+        needed = self._blocks_for(seq.num_tokens) - len(hits)
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return self.allocator.num_free - reusable_free - needed >= reserve
+
+    def fits_at_all(self, num_tokens: int) -> bool:
+        return self._blocks_for(num_tokens) <= self.num_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets its computed count."""
+        assert not seq.block_table
+        hits, hashes = self._match(seq)
+        for b in hits:
+            self.allocator.incref(b)
+        table = list(hits)
+        for _ in range(self._blocks_for(seq.num_tokens) - len(hits)):
+            table.append(self._take_free())
+        seq.block_table = table
+        seq.block_hashes = hashes
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_computed_tokens
+
+    def _take_free(self) -> int:
+        block_id, old_hash = self.allocator.pop_free()
+        if old_hash is not None:
+            self.index.evict(block_id, old_hash)
+        return block_id
+
+    # -- growth during decode --------------------------------------------------------------------------
+    def slots_needed(self, seq: Sequence, end: int) -> int:
+        """Blocks ``seq`` must take to compute tokens up to ``end`` (a copy-on-write counts as one)."""
+        need = max(0, self._blocks_for(end) - len(seq.block_table))
+        idx = seq.num_computed_tokens // self.block_size
+        if idx < len(seq.block_table) and self.allocator.ref_counts[seq.block_table[idx]] > 1:
+            need += 1
+        return need
+
+    def ensure_slots(self, seq: Sequence, end: int) -> list[tuple[int, int]] | None:
+        """Make blocks for tokens [computed, end) writable; returns KV copies (src, dst) or None if out."""
+        if self.slots_needed(seq, end) > self.allocator.num_free:
+            return None
+        copies = []
+        idx = seq.num_computed_tokens // self.block_size
+        if idx < len(seq.block_table) and self.allocator.ref_counts[seq.block_table[idx]] > 1:
+            # NOTE: a partial block shared by n > 1 siblings: copy before the first divergent write.
+            src = seq.block_table[idx]
+            dst = self._take_free()
+            self.allocator.decref(src)
+            seq.block_table[idx] = dst
+            copies.append((src, dst))
+        while len(seq.block_table) < self._blocks_for(end):
+            seq.block_table.append(self._take_free())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for b in parent.block_table:
+            self.allocator.incref(b)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def commit(self, seq: Sequence) -> None:
+        """Index the blocks of ``seq`` that became full and computed, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        n_full = seq.num_computed_tokens // bs
+        for i in range(len(seq.block_hashes), n_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.images, i * bs)
+            h = hash_block(key)
+            seq.block_hashes.append(h)
+            block_id = seq.block_table[i]
+            if self.allocator.hashes[block_id] is None and self.index.insert(h, key, block_id):
+                self.allocator.hashes[block_id] = h
+
+    def free(self, seq: Sequence) -> None:
+        # Reverse order: a sequence's tail blocks are the least likely to be shared, so evict them first.
+        for b in reversed(seq.block_table):
+            self.allocator.decref(b)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        for block_id, h in list(self.index.items()):
+            self.allocator.hashes[block_id] = None
+            self.index.evict(block_id, h)
+
+    # -- invariants ------------------------------------------------------------------------------------
+    def check_integrity(self, live: Iterable[Sequence]) -> None:
+        """Raise AssertionError unless ref counts, the free list and the prefix index agree."""
+        counts = [0] * self.num_blocks
+        for seq in live:
+            assert len(seq.block_table) == len(set(seq.block_table)), f"seq {seq.seq_id} repeats a block"
+            assert len(seq.block_table) >= self._blocks_for(seq.num_computed_tokens)
+            for b in seq.block_table:
+                counts[b] += 1
+        alloc = self.allocator
+        for b in range(self.num_blocks):
+            assert counts[b] == alloc.ref_counts[b], (
+                f"block {b}: ref {alloc.ref_counts[b]} != holders {counts[b]}"
+            )
+            assert (alloc.ref_counts[b] == 0) == (b in alloc.free), (
+                f"block {b}: free list disagrees with refs"
+            )
+        for h, b in self.index.items():
+            assert alloc.hashes[b] == h, f"index maps {h:x} to block {b} which holds {alloc.hashes[b]}"
+            key = self.index.key_of(b)
+            assert key is not None and hash_block(key) == h
+        indexed = sum(1 for h in alloc.hashes if h is not None)
+        assert indexed == len(self.index), "a block holds a hash the index does not know"

@@ -1,0 +1,47 @@
+"""Engine settings; flag names follow vLLM where the meaning is the same."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # the checkpoint's own dtype
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # fixed pool size (tests); otherwise measured after warm-up
+    kv_cache_memory: int | None = None  # bytes for the KV pool; otherwise a share of free memory
+    memory_utilization: float = 0.5
+    attention_backend: str = "auto"
+    warmup_image_patches: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        if self.dtype == "auto":
+            return checkpoint_dtype
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        return _DTYPES[self.dtype]

@@ -1,0 +1,264 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, finish."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lm_engine.block_manager import BlockManager
+from lm_engine.config import EngineConfig
+from lm_engine.detokenizer import detokenize_step, flush
+from lm_engine.model_runner import ModelRunner
+from lm_engine.models.qwen2_vl import Qwen2VLConfig
+from lm_engine.outputs import CompletionOutput, RequestOutput
+from lm_engine.processor import InputError, InputProcessor, PromptInputs
+from lm_engine.sampler import sample
+from lm_engine.sampling_params import SamplingParams
+from lm_engine.scheduler import Scheduler
+from lm_engine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("vlmserve.engine")
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    params: SamplingParams
+    prompt: PromptInputs
+    seqs: list[Sequence]
+    emitted: dict[int, tuple[int, int]] = field(default_factory=dict)  # index → (tokens, chars) sent
+    forked: bool = False
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        path = Path(config.model)
+        self.model_config = Qwen2VLConfig.from_dir(path)
+        self.dtype = config.resolve_dtype(self.model_config.dtype)
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
+        self.processor = InputProcessor(path, self.model_config)
+        self.runner = ModelRunner(
+            path,
+            self.model_config,
+            dtype=self.dtype,
+            device=config.device,
+            block_size=config.block_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_cache_memory=config.kv_cache_memory,
+            memory_utilization=config.memory_utilization,
+            attention_backend=config.attention_backend,
+            warmup_image_patches=config.warmup_image_patches,
+        )
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        # NOTE: a sequence must always fit the pool on its own, or preemption could never make room for it.
+        pool_tokens = self.runner.num_blocks * config.block_size
+        if self.max_model_len > pool_tokens:
+            log.warning(
+                "max_model_len %d exceeds the KV pool (%d tokens); capping it",
+                self.max_model_len,
+                pool_tokens,
+            )
+            self.max_model_len = pool_tokens
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.requests: dict[str, RequestState] = {}
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        self.step_count = 0
+
+    # -- requests ------------------------------------------------------------------------------------------
+    def process_chat(self, messages: list[dict]) -> PromptInputs:
+        return self.processor.process_chat(messages)
+
+    def add_request(
+        self, request_id: str, prompt: PromptInputs | list[dict], params: SamplingParams, client_key: str = ""
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not isinstance(prompt, PromptInputs):
+            prompt = self.process_chat(prompt)
+        n_prompt = len(prompt.token_ids)
+        if n_prompt >= self.max_model_len:
+            raise InputError(
+                f"prompt is {n_prompt} tokens; this model's context is {self.max_model_len} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if not self.block_manager.fits_at_all(n_prompt + 1):
+            raise InputError(
+                f"prompt is {n_prompt} tokens; the KV cache holds {self.block_manager.num_blocks} blocks of "
+                f"{self.config.block_size} tokens, too few for it",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=list(prompt.token_ids),
+            num_prompt_tokens=n_prompt,
+            params=params,
+            images=prompt.images,
+            positions=prompt.positions,
+            position_delta=prompt.position_delta,
+            client_key=client_key,
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed)
+        self.requests[request_id] = RequestState(request_id, params, prompt, [seq])
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return False
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        self.step_count += 1
+        self._encode_pending_images(sched)
+        completing, logits = self.runner.execute(sched)
+        touched: dict[str, RequestState] = {}
+        for chunk in sched.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.commit(chunk.seq)
+        rows, seqs = [], []
+        for i, chunk in enumerate(completing):
+            seq = chunk.seq
+            state = self.requests[seq.request_id]
+            touched[seq.request_id] = state
+            if state.params.n > 1 and not state.forked:
+                state.forked = True
+                for index in range(1, state.params.n):
+                    child = seq.fork(index)
+                    if state.params.seed is not None:
+                        child.generator = torch.Generator().manual_seed(state.params.seed + index)
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.running.append(child)
+                    state.seqs.append(child)
+                    rows.append(i)
+                    seqs.append(child)
+            rows.append(i)
+            seqs.append(seq)
+        if seqs:
+            tokens = sample(logits[torch.tensor(rows)], seqs)
+            now = time.monotonic()
+            for seq, tok in zip(seqs, tokens):
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                seq.token_ids.append(tok)
+                self._check_stop(seq, tok)
+        for seq in sched.preempted:
+            touched.setdefault(seq.request_id, self.requests[seq.request_id])
+        return [out for state in touched.values() if (out := self._make_output(state)) is not None]
+
+    def _encode_pending_images(self, sched) -> None:
+        todo, seen = [], {}
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_tokens
+            for img in seq.images:
+                if img.embedding is None and img.offset < end and img.offset + img.length > start:
+                    if img.key in seen:
+                        continue
+                    seen[img.key] = img
+                    todo.append(img)
+        if not todo:
+            return
+        for img, emb in zip(todo, self.runner.encode_images(todo)):
+            img.embedding = emb
+        for chunk in sched.chunks:  # identical images in other sequences share the rows
+            for img in chunk.seq.images:
+                if img.embedding is None and img.key in seen:
+                    img.embedding = seen[img.key].embedding
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        detokenize_step(seq, self.processor.decode)
+        reason, stop_reason = None, None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
+        elif p.stop:
+            window = max(len(s) for s in p.stop) + 16
+            text = seq.output_text
+            for s in p.stop:
+                idx = text.find(s, max(0, len(text) - window))
+                if idx >= 0:
+                    seq.output_text = text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                    reason, stop_reason = "stop", s
+                    break
+        if reason is None and p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if stop_reason is None or isinstance(stop_reason, int):
+                flush(seq, self.processor.decode)
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        outs = []
+        hold = max((len(s) for s in state.params.stop), default=1) - 1
+        for seq in sorted(state.seqs, key=lambda s: s.index):
+            sent_tokens, sent_chars = state.emitted.get(seq.index, (0, 0))
+            text = seq.output_text
+            visible = len(text) if seq.is_finished else max(sent_chars, len(text) - hold)
+            token_ids = seq.output_token_ids
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    token_ids=list(token_ids),
+                    text=text[:visible],
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    delta_text=text[sent_chars:visible],
+                    delta_token_ids=token_ids[sent_tokens:],
+                )
+            )
+            state.emitted[seq.index] = (len(token_ids), visible)
+        finished = len(state.seqs) == state.params.n and all(s.is_finished for s in state.seqs)
+        first = state.seqs[0]
+        if finished:
+            self.requests.pop(state.request_id, None)
+        metrics = {
+            "arrival_time": first.arrival_time,
+            "first_token_time": first.first_token_time,
+            "num_preemptions": sum(s.num_preemptions for s in state.seqs),
+        }
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt_token_ids=state.prompt.token_ids,
+            outputs=outs,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            visual_tokens=[i.length for i in state.prompt.images],
+            metrics=metrics,
+        )
+
+    # -- introspection -------------------------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for st in self.requests.values() for s in st.seqs if s.status is SequenceStatus.RUNNING]
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity(self.scheduler.running)
+        running_ids = {s.seq_id for s in self.scheduler.running}
+        for seq in self.scheduler.waiting:
+            assert not seq.block_table and seq.seq_id not in running_ids

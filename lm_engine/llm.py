@@ -1,0 +1,59 @@
+"""The offline entry point: batch generation without a server."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+
+from tqdm.auto import tqdm
+
+from lm_engine.config import EngineConfig
+from lm_engine.engine import LLMEngine
+from lm_engine.outputs import RequestOutput
+from lm_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model=DIR, **engine options).chat(conversations, SamplingParams(...))``.
+
+    With ``model=None`` it serves the embedded demo checkpoint (random weights, generated once).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        if model is None:
+            from lm_engine.models.demo import demo_checkpoint
+
+            model = str(demo_checkpoint())
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM options: {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._ids = itertools.count()
+
+    def chat(
+        self,
+        conversations: list[list[dict]] | list[dict],
+        params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # a single conversation
+        ids = []
+        for conv in conversations:
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, conv, params)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

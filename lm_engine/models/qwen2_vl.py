@@ -1,0 +1,339 @@
+"""Qwen2-VL: our ragged, paged-KV decoder, the family's processor rules (grid → placeholders, M-RoPE
+positions) and the vision tower + merger (the transformers module, loaded with the same weights)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lm_engine.attention import AttentionBackend, AttentionMetadata
+from lm_engine.models.weights import iter_checkpoint_tensors
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class Qwen2VLConfig:
+    """The fields the engine needs, read from either the original or the nested (text_config) layout."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: list[int]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: list[int]
+    vision: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def spatial_merge_size(self) -> int:
+        return int(self.vision.get("spatial_merge_size", 2))
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Qwen2VLConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"checkpoint {path} has no config.json")
+        raw = json.loads(cfg_file.read_text())
+        archs = raw.get("architectures") or []
+        if raw.get("model_type") != "qwen2_vl" and "Qwen2VLForConditionalGeneration" not in archs:
+            raise ValueError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL checkpoint")
+        text = {**raw, **(raw.get("text_config") or {})}
+        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
+        head_dim = text["hidden_size"] // text["num_attention_heads"]
+        section = list(rope.get("mrope_section") or [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16])
+        dtype_name = text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "float32"
+        eos = []
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+            eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if not eos:
+            cfg_eos = text.get("eos_token_id")
+            eos = cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else []
+        return cls(
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_hidden_layers=text["num_hidden_layers"],
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 1000000.0),
+            mrope_section=section,
+            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            image_token_id=raw.get("image_token_id", 151655),
+            video_token_id=raw.get("video_token_id", 151656),
+            vision_start_token_id=raw.get("vision_start_token_id", 151652),
+            vision_end_token_id=raw.get("vision_end_token_id", 151653),
+            eos_token_ids=[int(e) for e in eos],
+            vision=dict(raw.get("vision_config") or {}),
+            raw=raw,
+        )
+
+
+# -- processor rules ---------------------------------------------------------------------------------------
+def mrope_positions(
+    token_ids: list[int], image_spans: list[tuple[int, tuple[int, int, int]]], spatial_merge_size: int
+) -> tuple[torch.Tensor, int]:
+    """M-RoPE positions ([3, len]) of a prompt and the delta that generated tokens add to their index.
+
+    ``image_spans``: (offset of the first placeholder, (t, h, w) patch grid) per image, in order. Text
+    advances all three axes together; an image's tokens sit on its (t, h, w) merged grid starting at the
+    running position, and the text after it resumes past the grid's largest side.
+    """
+    n = len(token_ids)
+    pos = torch.empty(3, n, dtype=torch.long)
+    cur = 0
+    i = 0
+    for offset, (t, h, w) in image_spans:
+        if offset > i:
+            pos[:, i:offset] = torch.arange(cur, cur + offset - i)
+            cur += offset - i
+        gh, gw = h // spatial_merge_size, w // spatial_merge_size
+        tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw)
+        hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
+        ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
+        length = t * gh * gw
+        pos[0, offset : offset + length] = tt.reshape(-1) + cur
+        pos[1, offset : offset + length] = hh.reshape(-1) + cur
+        pos[2, offset : offset + length] = ww.reshape(-1) + cur
+        cur += max(gh, gw)
+        i = offset + length
+    if i < n:
+        pos[:, i:n] = torch.arange(cur, cur + n - i)
+        cur += n - i
+    delta = (int(pos.max()) + 1 - n) if n else 0
+    return pos, delta
+
+
+# -- decoder -----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MRotaryEmbedding(nn.Module):
+    """Rotary embedding whose frequency bands read the t, h or w position axis (``mrope_section``)."""
+
+    def __init__(self, head_dim: int, theta: float, section: list[int]) -> None:
+        super().__init__()
+        if sum(section) != head_dim // 2:
+            raise ValueError(f"mrope_section {section} must sum to head_dim/2 = {head_dim // 2}")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        axis = torch.cat([torch.full((s,), i % 3, dtype=torch.long) for i, s in enumerate(section)])
+        self.register_buffer("axis", axis, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] → cos, sin [T, head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq  # [3, T, D/2]
+        band = freqs.gather(0, self.axis.view(1, 1, -1).expand(1, freqs.shape[1], -1)).squeeze(0)
+        emb = torch.cat([band, band], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen2VLConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen2VLConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen2VLConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2VLDecoder(nn.Module):
+    """Takes flat ragged tokens ([T]), their M-RoPE positions ([3, T]) and optional image rows."""
+
+    def __init__(self, cfg: Qwen2VLConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        mm_rows: torch.Tensor | None = None,
+        mm_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if mm_rows is not None and mm_rows.numel():
+            x[mm_rows] = mm_embeds.to(x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path) -> None:
+        """Load the decoder's tensors from the checkpoint (original or nested names, sharded or not)."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        fused = {  # checkpoint leaf → (our leaf, row offset)
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
+        }
+        loaded: set[str] = set()
+        for name, tensor in iter_checkpoint_tensors(path):
+            name = name.replace("model.language_model.", "model.")
+            if name.startswith(("visual.", "model.visual.")):
+                continue
+            name = name.removeprefix("model.")
+            target, offset = name, None
+            for src, (dst, off) in fused.items():
+                if f".{src}." in name:
+                    target, offset = name.replace(src, dst), off
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint {path}")
+            param = params[target]
+            if offset is None:
+                param.copy_(tensor)
+            else:
+                param[offset : offset + tensor.shape[0]].copy_(tensor)
+                target = f"{target}@{offset}"
+            loaded.add(target)
+        if "lm_head.weight" not in loaded and cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        # embed, norm, head; per layer: q/k/v weight+bias, o, gate/up, down, two norms
+        expected = 3 + cfg.num_hidden_layers * (6 + 1 + 2 + 1 + 2)
+        if len(loaded) != expected:
+            raise ValueError(
+                f"checkpoint {path} is missing decoder tensors ({len(loaded)}/{expected} loaded)"
+            )
+
+
+# -- vision tower ------------------------------------------------------------------------------------------
+class VisionTower(nn.Module):
+    """ViT + 2×2 patch merger (the connector), from transformers' Qwen2-VL module with our loader."""
+
+    def __init__(self, cfg: Qwen2VLConfig) -> None:
+        super().__init__()
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        vcfg = dict(cfg.vision)
+        vcfg.pop("model_type", None)
+        if "in_chans" in vcfg and "in_channels" not in vcfg:
+            vcfg["in_channels"] = vcfg.pop("in_chans")
+        known = (
+            set(Qwen2VLVisionConfig.__dataclass_fields__)
+            if hasattr(Qwen2VLVisionConfig, "__dataclass_fields__")
+            else None
+        )
+        if known:
+            vcfg = {k: v for k, v in vcfg.items() if k in known}
+        vision_config = Qwen2VLVisionConfig(**vcfg)
+        vision_config._attn_implementation = "sdpa"
+        self.model = Qwen2VisionTransformerPretrainedModel._from_config(vision_config, dtype=cfg.dtype)
+        self.spatial_merge_size = vision_config.spatial_merge_size
+        self.out_dim = vision_config.hidden_size
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path) -> None:
+        state = {}
+        for name, tensor in iter_checkpoint_tensors(path, prefixes=("visual.", "model.visual.")):
+            state[name.removeprefix("model.").removeprefix("visual.")] = tensor
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(
+                f"vision tower weights in {path}: missing {missing[:4]}, unexpected {unexpected[:4]}"
+            )
+
+    @torch.no_grad()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Patches of several images ([sum patches, C·T·P·P]) → merged embeddings ([sum tokens, hidden])."""
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(pixel_values.to(dtype), grid_thw=grid_thw)
+        return out.pooler_output

@@ -1,0 +1,510 @@
+"""Deterministic generator of Qwen2-VL test checkpoints (random weights, locally trained tokenizer).
+
+The output directory has the layout of a real `Qwen/Qwen2-VL-*-Instruct` checkpoint: the original flat
+`config.json`, weights under the original (pre-transformers-v5) key names, a byte-level BPE tokenizer with
+the Qwen2-VL special tokens appended after the learned vocab, the Qwen2-VL chat template and the image
+processor config. Same preset + seed gives byte-identical files; the tokenizer depends on the preset only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2's own pre-tokenizer split (digits one by one, contractions, punctuation runs).
+QWEN2_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+# Renders the same text as the template shipped with Qwen2-VL-*-Instruct.
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part or 'image_url' in part %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    vocab_size: int  # learned BPE tokens + the special tokens; equals config vocab_size
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    mrope_section: tuple[int, int, int]
+    rope_theta: float
+    vision_depth: int
+    vision_embed_dim: int
+    vision_heads: int
+    vision_mlp_ratio: int
+    dtype: str
+    min_pixels: int
+    max_pixels: int
+    corpus_words: int  # distinct pseudo-words, enough for BPE to reach the vocab size
+    corpus_lines: int
+    max_position_embeddings: int = 32768
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mrope_section=(2, 3, 3),
+        # NOTE: 1e4 rather than Qwen's 1e6: with head_dim 16 the h/w M-RoPE sections would otherwise
+        # rotate so slowly that position bugs could not change any output.
+        rope_theta=10000.0,
+        vision_depth=2,
+        vision_embed_dim=32,
+        vision_heads=2,
+        vision_mlp_ratio=4,
+        dtype="float32",
+        min_pixels=3136,
+        max_pixels=1003520,
+        corpus_words=3000,
+        corpus_lines=12000,
+    ),
+    "small": Preset(
+        vocab_size=8192,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=12,
+        num_heads=12,
+        num_kv_heads=2,
+        mrope_section=(8, 12, 12),
+        rope_theta=1000000.0,
+        vision_depth=6,
+        vision_embed_dim=384,
+        vision_heads=6,
+        vision_mlp_ratio=4,
+        dtype="bfloat16",
+        min_pixels=3136,
+        max_pixels=1003520,
+        corpus_words=20000,
+        corpus_lines=60000,
+    ),
+}
+
+
+def token_ids(preset: str | Preset) -> dict[str, int]:
+    """Ids of the special tokens: they follow the learned vocab, in Qwen2-VL's order."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    first = p.vocab_size - len(SPECIAL_TOKENS)
+    return {tok: first + i for i, tok in enumerate(SPECIAL_TOKENS)}
+
+
+def build_config(preset: str | Preset) -> dict:
+    """config.json in the original (flat, pre-v5) Qwen2-VL layout."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    ids = token_ids(p)
+    head_dim = p.hidden_size // p.num_heads
+    assert sum(p.mrope_section) * 2 == head_dim, "mrope_section must cover head_dim / 2"
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "hidden_act": "silu",
+        "hidden_size": p.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": p.intermediate_size,
+        "max_position_embeddings": p.max_position_embeddings,
+        "max_window_layers": p.num_layers,
+        "num_attention_heads": p.num_heads,
+        "num_hidden_layers": p.num_layers,
+        "num_key_value_heads": p.num_kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": p.rope_theta,
+        "sliding_window": p.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "torch_dtype": p.dtype,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": {
+            "depth": p.vision_depth,
+            "embed_dim": p.vision_embed_dim,
+            "mlp_ratio": p.vision_mlp_ratio,
+            "num_heads": p.vision_heads,
+            "in_chans": 3,
+            "in_channels": 3,
+            "hidden_size": p.hidden_size,
+            "hidden_act": "quick_gelu",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "rope_scaling": {"type": "mrope", "mrope_section": list(p.mrope_section)},
+        "vocab_size": p.vocab_size,
+    }
+
+
+def make_checkpoint(
+    out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_size_bytes: int | None = None
+) -> Path:
+    """Write a complete checkpoint directory and return its path (created; our files overwritten).
+
+    `shard_size_bytes` splits the weights into `model-0000i-of-0000n.safetensors` + index, as large
+    real checkpoints are stored.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+
+    config = build_config(p)
+    _write_json(out / "config.json", config)
+    _write_weights(out, init_weights(config, seed), shard_size_bytes)
+    _write_tokenizer(out, p)
+    ids = token_ids(p)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["<|endoftext|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+            "do_sample": False,
+        },
+    )
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            # NOTE: v4 reads min/max_pixels, v5 reads size; both say the same thing.
+            "min_pixels": p.min_pixels,
+            "max_pixels": p.max_pixels,
+            "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+        },
+    )
+    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    return out
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _hf_model_on_meta(config: dict) -> torch.nn.Module:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        return Qwen2VLForConditionalGeneration(cfg)
+
+
+def original_name(v5_name: str) -> str:
+    """Inverse of transformers v5's Qwen2VLForConditionalGeneration checkpoint renaming."""
+    if v5_name.startswith("model.visual."):
+        return v5_name.removeprefix("model.")
+    if v5_name.startswith("model.language_model."):
+        return "model." + v5_name.removeprefix("model.language_model.")
+    return v5_name
+
+
+def param_count(preset: str) -> int:
+    """Parameters of the preset's model, counted without materialising any weights."""
+    return sum(t.numel() for t in _hf_model_on_meta(build_config(preset)).state_dict().values())
+
+
+def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """(mean, std) of the normal each tensor is drawn from.
+
+    NOTE: plain 0.02-std init makes a small random model emit one token forever whatever the prompt.
+    Here every sublayer writes ~unit-scale updates into a ~unit-scale residual stream, attention is
+    sharp enough to depend on content and position, the merger's output is as loud as a token
+    embedding (so images steer the text), and lm_head is wide (logit std ~8) so top-2 logits are
+    rarely near-tied. Norm weights ~1 and biases are non-zero on purpose: an engine that forgets to
+    load one of them produces different tokens.
+    """
+    fan_in = math.prod(shape[1:])
+    module, kind = name.rsplit(".", 2)[-2:]
+    if name == "model.embed_tokens.weight":
+        return 0.0, 1.0
+    if name == "lm_head.weight":
+        return 0.0, 8.0 / fan_in**0.5
+    if "norm" in module or module == "ln_q":
+        return (1.0, 0.1) if kind == "weight" else (0.0, 0.1)
+    if kind == "bias":
+        return 0.0, 0.5 if module in ("q_proj", "k_proj") else 0.1
+    if module in ("q_proj", "k_proj", "qkv"):
+        return 0.0, 1.6 / fan_in**0.5
+    if name.startswith("visual.merger.mlp.2."):
+        return 0.0, 2.0 / fan_in**0.5
+    return 0.0, 1.0 / fan_in**0.5
+
+
+def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Original-named tensors; each drawn from its own generator so its values depend on (seed, name) only."""
+    dtype = getattr(torch, config["torch_dtype"])
+    specials = config["vocab_size"] - len(SPECIAL_TOKENS)
+    ends = {config["eos_token_id"], config["bos_token_id"]}
+    out: dict[str, torch.Tensor] = {}
+    for v5_name, meta in _hf_model_on_meta(config).state_dict().items():
+        name = original_name(v5_name)
+        shape = tuple(meta.shape)
+        mean, std = _init_spec(name, shape)
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+        if name == "lm_head.weight":
+            # Markup tokens (image pads, box markers) are never predicted, as in a trained model;
+            # the two end tokens keep full scale so EOS stays possible but rare.
+            for i in range(specials, config["vocab_size"]):
+                if i not in ends:
+                    t[i] *= 0.1
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shard_size_bytes: int | None) -> None:
+    if shard_size_bytes is None:
+        _save(tensors, out / "model.safetensors")
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_size_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _save(shard, out / fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+    )
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, path, metadata={"format": "pt"})
+    path.chmod(0o644)  # safetensors creates it 0600; the rest of the directory is world-readable
+
+
+# ---------------------------------------------------------------- tokenizer
+
+_WORDS_TEXT = (
+    "the of and to in is that it was for on are as with his they at be this from have or by one had not "
+    "but what all were when we there can an your which their said if do will each about how up out them "
+    "then she many some so these would other into has more her two like him see time could no make than "
+    "first been its who now people my made over did down only way find use may water long little very "
+    "after words called just where most know get through back much before go good new write our used me "
+    "man too any day same right look think also around another came come work three word must because "
+    "does part even place well such here take why things help put years different away again off went "
+    "old number great tell men say small every found still between name should home big give air line "
+    "set own under read last never us left end along while might next sound below saw something thought "
+    "both few those always looked show large often together asked house world going want school important "
+    "until form food keep children feet land side without boy once animals life enough took sometimes four "
+    "head above kind began almost live page got earth need far hand high year mother light parts country "
+    "father let night following picture being study second eyes soon times story boys since white days "
+    "ever paper hard near sentence better best across during today others however sure means knew its try "
+    "told young miles sun ways thing whole hear example heard several change answer room sea against top "
+    "image photo cat dog tree car red blue green yellow black color left right center background person "
+    "table chart document invoice total price date street city river mountain sky cloud window door"
+)
+_UNICODE_TEXT = "café résumé naïve élève Zürich 中文 你好世界 图片 东京 🙂 🚀 🐱 → …"
+_CONSONANTS_TEXT = "b c d f g h j k l m n p r s t v w z ch sh th st tr pl br"
+_VOWELS_TEXT = "a e i o u ai ea ou io"
+_WORDS, _UNICODE = _WORDS_TEXT.split(), _UNICODE_TEXT.split()
+_CONSONANTS, _VOWELS = _CONSONANTS_TEXT.split(), _VOWELS_TEXT.split()
+_QUESTIONS = (
+    "What is in the picture?",
+    "Describe the image.",
+    "How many people are there?",
+    "What color is the car?",
+    "Read the text in the document.",
+    "Answer the question.",
+)
+
+
+def synthetic_corpus(n_words: int, n_lines: int, seed: int = 1234) -> list[str]:
+    """English-like lines: Zipf-drawn real and pseudo words, numbers, punctuation, accents, CJK, emoji."""
+    rng = random.Random(seed)
+    pseudo = [
+        "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(1, 3)))
+        + rng.choice(["", "n", "s", "r", "t", "l", "ing", "ed"])
+        for _ in range(n_words)
+    ]
+    lexicon = list(_WORDS) + pseudo
+
+    def word() -> str:
+        r = rng.random()
+        if r < 0.03:
+            return rng.choice(_UNICODE)
+        if r < 0.08:
+            return str(
+                rng.choice([rng.randint(0, 100), rng.randint(1900, 2030), round(rng.uniform(0, 999), 2)])
+            )
+        if r < 0.55:
+            return _WORDS[min(int(rng.paretovariate(1.0)) - 1, len(_WORDS) - 1)]
+        return rng.choice(lexicon)
+
+    lines = []
+    for _ in range(n_lines):
+        if rng.random() < 0.05:
+            lines.append(rng.choice(_QUESTIONS))
+            continue
+        ws = [word() for _ in range(rng.randint(3, 16))]
+        ws[0] = ws[0].capitalize()
+        if rng.random() < 0.2:
+            ws.insert(rng.randrange(1, len(ws)), rng.choice([",", " -", ":", ";", " (", ")", '"', "'s"]))
+        sentence = " ".join(ws).replace(" ,", ",").replace(" :", ":").replace(" ;", ";").replace(" 's", "'s")
+        lines.append(sentence + rng.choice([".", ".", ".", "!", "?", "...", "\n"]))
+    return lines
+
+
+def train_tokenizer(preset: str | Preset):
+    """Byte-level BPE with Qwen2's pre-tokenizer, trained on the synthetic corpus; specials appended."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    tok = Tokenizer(BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    learned = p.vocab_size - len(SPECIAL_TOKENS)
+    trainer = trainers.BpeTrainer(
+        vocab_size=learned,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(synthetic_corpus(p.corpus_words, p.corpus_lines), trainer)
+    if tok.get_vocab_size() != learned:
+        raise RuntimeError(f"BPE learned {tok.get_vocab_size()} tokens, wanted {learned}: enlarge the corpus")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok
+
+
+def _write_tokenizer(out: Path, p: Preset) -> None:
+    tok = train_tokenizer(p)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
+    model = json.loads(tok.to_str())["model"]
+    _write_json(out / "vocab.json", model["vocab"])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t, i in token_ids(p).items()
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "add_prefix_space": False,
+            "added_tokens_decoder": added,
+            "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+            "bos_token": None,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": p.max_position_embeddings,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        },
+    )
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(make_checkpoint(args.out_dir, args.preset, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""What the engine hands back per request and step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    visual_tokens: list[int] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+
+    # Single-choice conveniences (choice 0).
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

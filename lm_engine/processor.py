@@ -1,0 +1,201 @@
+"""Chat messages → prompt token ids, image items and M-RoPE positions (the model family's rules)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from PIL import Image
+from tokenizers import Tokenizer
+
+from lm_engine.models.qwen2_vl import Qwen2VLConfig, mrope_positions
+from lm_engine.sequence import ImageItem
+
+
+class InputError(ValueError):
+    """The request's messages or media cannot be turned into a prompt (a client error)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(slots=True)
+class PromptInputs:
+    token_ids: list[int]
+    images: list[ImageItem]
+    positions: torch.Tensor
+    position_delta: int
+
+
+def _load_chat_template(path: Path) -> str:
+    for name in ("chat_template.jinja",):
+        if (path / name).is_file():
+            return (path / name).read_text()
+    for name in ("chat_template.json", "tokenizer_config.json", "processor_config.json"):
+        f = path / name
+        if f.is_file():
+            template = json.loads(f.read_text()).get("chat_template")
+            if isinstance(template, str):
+                return template
+    raise FileNotFoundError(
+        f"checkpoint {path} has no chat template (chat_template.jinja/.json or tokenizer_config.json)"
+    )
+
+
+def _raise(message: str) -> None:
+    raise InputError(f"chat template: {message}")
+
+
+def decode_data_url(url: str) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:"):
+        raise InputError("malformed data: URL", param="image_url")
+    if not header.endswith(";base64"):
+        raise InputError("only base64 data: URLs are supported", param="image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InputError(f"data: URL is not valid base64 ({exc})", param="image_url") from None
+
+
+def image_bytes_of(part: dict) -> bytes | Image.Image:
+    """The encoded bytes (or a PIL image) an OpenAI-style image part carries."""
+    if part.get("type") == "image":
+        img = part.get("image")
+        if isinstance(img, (bytes, bytearray, memoryview)):
+            return bytes(img)
+        if isinstance(img, Image.Image):
+            return img
+        if isinstance(img, str):
+            part = {"image_url": img}
+        else:
+            raise InputError("image part must carry bytes, a PIL image or a data: URL", param="image")
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str):
+        raise InputError("image_url part needs a url", param="image_url")
+    if url.startswith("data:"):
+        return decode_data_url(url)
+    raise InputError(
+        f"unsupported image URL scheme in offline use: {url[:32]!r} (pass bytes or a data: URL)",
+        param="image_url",
+    )
+
+
+def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Messages with image parts reduced to {"type": "image"} for the template, and the image parts in order."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError("messages must be a non-empty list", param="messages")
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or "role" not in msg:
+            raise InputError(f"messages[{i}] must be an object with a role", param="messages")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            out.append({"role": msg["role"], "content": content or ""})
+            continue
+        if not isinstance(content, list):
+            raise InputError(f"messages[{i}].content must be a string or a list of parts", param="messages")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind in ("image_url", "image"):
+                images.append(part)
+                parts.append({"type": "image"})
+            else:
+                raise InputError(f"messages[{i}]: unsupported content part type {kind!r}", param="messages")
+        out.append({"role": msg["role"], "content": parts})
+    return out, images
+
+
+def image_identity(data: bytes | Image.Image) -> str:
+    """xxh3_128 of the encoded bytes as received (a PIL image hashes its mode, size and pixels)."""
+    if isinstance(data, Image.Image):
+        h = xxhash.xxh3_128(f"{data.mode}:{data.size}".encode())
+        h.update(data.tobytes())
+        return h.hexdigest()
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+class InputProcessor:
+    def __init__(self, model_dir: str | Path, cfg: Qwen2VLConfig) -> None:
+        path = Path(model_dir)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"checkpoint {path} has no tokenizer.json")
+        self.cfg = cfg
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.globals["raise_exception"] = _raise
+        self.template = env.from_string(_load_chat_template(path))
+        from transformers import AutoImageProcessor
+
+        self.image_processor = AutoImageProcessor.from_pretrained(str(path))
+        self.merge = cfg.spatial_merge_size
+        self._fingerprint = xxhash.xxh3_64(
+            json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str).encode()
+        ).digest()
+
+    def render(self, messages: list[dict]) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=True)
+
+    def process_chat(self, messages: list[dict]) -> PromptInputs:
+        norm, image_parts = normalize_messages(messages)
+        text = self.render(norm)
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        pad = self.cfg.image_token_id
+        if ids.count(pad) != len(image_parts):
+            raise InputError("the number of image placeholders does not match the number of images")
+        items = [self.process_image(image_bytes_of(p)) for p in image_parts]
+        token_ids: list[int] = []
+        pending = iter(items)
+        for tok in ids:
+            if tok == pad:
+                item = next(pending)
+                item.offset = len(token_ids)
+                token_ids.extend([pad] * item.length)
+            else:
+                token_ids.append(tok)
+        positions, delta = mrope_positions(token_ids, [(i.offset, i.grid_thw) for i in items], self.merge)
+        return PromptInputs(token_ids, items, positions, delta)
+
+    def process_image(self, data: bytes | Image.Image) -> ImageItem:
+        ident = image_identity(data)
+        if isinstance(data, Image.Image):
+            img = data
+        else:
+            try:
+                img = Image.open(io.BytesIO(data))
+                img.load()
+            except Exception as exc:  # PIL raises many types for bad data
+                raise InputError(
+                    f"cannot decode image: {exc}", param="image_url", code="invalid_image"
+                ) from None
+        out = self.image_processor(images=[img], return_tensors="pt")
+        grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
+        length = grid[0] * grid[1] * grid[2] // (self.merge**2)
+        key = xxhash.xxh3_128(ident.encode() + repr(grid).encode() + self._fingerprint).digest()
+        return ImageItem(
+            offset=-1,
+            length=length,
+            key=key,
+            grid_thw=grid,
+            pixel_values=out["pixel_values"],
+            image_hash=ident,
+        )
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

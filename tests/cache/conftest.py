@@ -1,0 +1,223 @@
+"""Fixtures for the embedding-cache tests: the real Redis, and local sockets that misbehave."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import pytest
+import redis
+import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cache import EmbeddingKey, RedisTier
+
+# NOTE: only ever 127.0.0.1; db 13 keeps test keys away from anything else using this server.
+REDIS_HOST, REDIS_PORT, REDIS_DB = "127.0.0.1", 6379, 13
+REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/{REDIS_DB}"
+RUN_PREFIX = f"vlmserve-test-{uuid.uuid4().hex}:"
+
+_redis_problem: list[str | None] = []  # memoised once per session
+
+
+def redis_problem() -> str | None:
+    if not _redis_problem:
+        try:
+            client = redis.Redis(
+                REDIS_HOST,
+                REDIS_PORT,
+                db=REDIS_DB,
+                socket_timeout=1,
+                socket_connect_timeout=1,
+                retry=Retry(NoBackoff(), 0),  # redis-py would otherwise retry for seconds
+            )
+            client.ping()
+            client.close()
+            _redis_problem.append(None)
+        except (redis.RedisError, OSError) as e:
+            _redis_problem.append(f"Redis at {REDIS_HOST}:{REDIS_PORT} did not answer: {e!r}")
+    return _redis_problem[0]
+
+
+@pytest.fixture(autouse=True)
+def _require_redis(request: pytest.FixtureRequest) -> None:
+    """Tests marked `redis` skip without a server locally, but fail on CI, where it must exist."""
+    if request.node.get_closest_marker("redis") is None:
+        return
+    problem = redis_problem()
+    if problem is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{problem} (CI is set, so the Redis tests must run)")
+    pytest.skip(f"{problem}; start redis-server on 127.0.0.1:6379 to run this test")
+
+
+def delete_prefix(client: redis.Redis, prefix: str) -> int:
+    names = list(client.scan_iter(match=f"{prefix}*", count=500))
+    return client.delete(*names) if names else 0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cleanup_run_prefix() -> Iterator[None]:
+    yield
+    if redis_problem() is None:
+        client = redis.Redis(REDIS_HOST, REDIS_PORT, db=REDIS_DB, socket_timeout=2)
+        delete_prefix(client, RUN_PREFIX)
+        client.close()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_client() -> Iterator[redis.Redis]:
+    client = redis.Redis(REDIS_HOST, REDIS_PORT, db=REDIS_DB, socket_timeout=2)
+    yield client
+    client.close()
+
+
+_test_ids = itertools.count()
+
+
+@pytest.fixture
+def prefix(redis_client: redis.Redis) -> Iterator[str]:
+    """A key prefix of this test alone; its keys are deleted afterwards."""
+    p = f"{RUN_PREFIX}{next(_test_ids)}:"
+    yield p
+    delete_prefix(redis_client, p)
+
+
+@pytest.fixture
+def make_tier() -> Iterator[Callable[..., RedisTier]]:
+    """RedisTier factory (defaults: the test Redis, short timeouts); tiers are closed afterwards."""
+    tiers: list[RedisTier] = []
+
+    def make(url: str = REDIS_URL, **kw: object) -> RedisTier:
+        kw.setdefault("timeout_s", 0.05)
+        kw.setdefault("connect_timeout_s", 0.05)
+        tier = RedisTier(url, **kw)  # type: ignore[arg-type]
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close(timeout_s=1.0)
+
+
+def _make_key(i: int, *, grid: tuple[int, int, int] = (1, 4, 6), model: str = "model-a") -> EmbeddingKey:
+    return EmbeddingKey(f"{i:032x}", grid, "pre-v1", model)
+
+
+def _random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs, infs, subnormals included) of `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape, itemsize), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bytes(a.contiguous().reshape(-1).view(torch.uint8).numpy()) == bytes(
+        b.contiguous().reshape(-1).view(torch.uint8).numpy()
+    )
+
+
+# Helpers are handed out as fixtures: `from conftest import ...` breaks once several test
+# folders have a conftest.py.
+@pytest.fixture
+def make_key() -> Callable[..., EmbeddingKey]:
+    return _make_key
+
+
+@pytest.fixture
+def random_bits() -> Callable[..., torch.Tensor]:
+    return _random_bits
+
+
+@pytest.fixture
+def same_bits() -> Callable[[torch.Tensor, torch.Tensor], bool]:
+    return _same_bits
+
+
+@pytest.fixture
+def refused_port() -> int:
+    """A 127.0.0.1 port nothing listens on (connections are refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A port that completes TCP handshakes but never reads or answers: a hung server."""
+    server = socket.create_server(("127.0.0.1", 0), backlog=64)
+    yield server.getsockname()[1]
+    server.close()
+
+
+class SwitchableProxy:
+    """TCP proxy 127.0.0.1:<port> -> the test Redis, switchable to swallowing every byte.
+
+    In "blackhole" mode requests on new and existing connections are dropped and never
+    answered, as with a hung server or a partitioned network; "forward" restores service.
+    """
+
+    def __init__(self, target: tuple[str, int] = (REDIS_HOST, REDIS_PORT)) -> None:
+        self.target = target
+        self.mode: Literal["forward", "blackhole"] = "forward"
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self.request_bytes = 0  # bytes clients sent, forwarded or swallowed
+        self._closed = False
+        threading.Thread(target=self._accept_loop, daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                return
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, is_request: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if is_request:
+                    self.request_bytes += len(data)
+                    if self.mode == "blackhole":
+                        continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+        for s in self._sockets:
+            s.close()
+
+
+@pytest.fixture
+def redis_proxy() -> Iterator[SwitchableProxy]:
+    proxy = SwitchableProxy()
+    yield proxy
+    proxy.close()

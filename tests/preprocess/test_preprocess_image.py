@@ -1,0 +1,136 @@
+"""preprocess() against transformers' Qwen2-VL image processors on the same bytes.
+
+Tolerance: max |ours - transformers| <= 1e-5 (normalized units) for both resize backends. With
+the default torchvision backend the values are in fact bit-identical (same resize call, same
+fused float32 normalize); the PIL backend differs by ~2e-7 from rescaling in float32 instead of
+transformers' float64.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from preprocess import PreprocessConfig, num_visual_tokens, plan_grid, preprocess, probe
+
+TOL = 1e-5
+KINDS = (
+    "jpeg",
+    "png",
+    "rgba_png",
+    "la_png",
+    "l_png",
+    "l_jpeg",
+    "p_png",
+    "p_png_trns",
+    "cmyk_jpeg",
+    "i16_png",
+    "webp",
+    "gif",
+    "bmp",
+)
+
+
+def assert_matches(ours, ref) -> None:
+    pixel_values, grid = ref
+    assert ours.grid_thw == grid
+    assert ours.patches.dtype == np.float32 and ours.patches.flags.c_contiguous
+    assert ours.patches.shape == pixel_values.shape
+    assert np.abs(ours.patches - pixel_values).max() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_mode_matches_transformers(kind, make_image, config, hf_reference):
+    data = make_image(kind, 333, 517, seed=1)
+    assert_matches(preprocess(data, config), hf_reference(data, config))
+
+
+@pytest.mark.parametrize("size", [(56, 56), (224, 224), (333, 517), (1024, 768), (1000, 60), (37, 81)])
+@pytest.mark.parametrize("kind", ["jpeg", "png"])
+def test_resolutions_match_transformers(size, kind, make_image, config, hf_reference):
+    data = make_image(kind, *size, seed=2)
+    assert_matches(preprocess(data, config), hf_reference(data, config))
+
+
+@pytest.mark.parametrize("max_pixels", [56 * 56, 28 * 28 * 16, 28 * 28 * 64, 28 * 28 * 256, 2048 * 2048])
+def test_max_pixels_matches_transformers(max_pixels, make_image, config, hf_reference):
+    data = make_image("jpeg", 1024, 768, seed=3)
+    ours = preprocess(data, config, max_pixels=max_pixels)
+    assert_matches(ours, hf_reference(data, config, max_pixels))
+    assert ours.grid_thw == plan_grid(probe(data), config, max_pixels)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8, 5])
+def test_exif_orientation_matches_transposed_reference(orientation, make_image, config, hf_reference):
+    data = make_image("jpeg", 400, 240, seed=4, orientation=orientation)
+    ours = preprocess(data, config)
+    assert_matches(ours, hf_reference(data, config))
+    _, gh, gw = ours.grid_thw
+    assert (gh > gw) == (orientation >= 5)  # 400x240 stored, upright is portrait for 5-8
+
+
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear"])
+def test_pil_backend_matches_pil_processor(resample, make_image, hf_reference):
+    config = PreprocessConfig(resize_backend="pil", resample=resample)
+    for kind, size in [("jpeg", (333, 517)), ("rgba_png", (1000, 60)), ("png", (1024, 768))]:
+        data = make_image(kind, *size, seed=5)
+        assert_matches(preprocess(data, config), hf_reference(data, config))
+
+
+def test_custom_mean_std_and_patch_sizes(make_image, hf_reference):
+    config = PreprocessConfig(
+        image_mean=(0.5, 0.5, 0.5),
+        image_std=(0.5, 0.5, 0.5),
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+    data = make_image("png", 300, 200, seed=6)
+    ours = preprocess(data, config)
+    assert_matches(ours, hf_reference(data, config))
+    assert ours.patches.shape[1] == 3 * 2 * 16 * 16
+
+
+def test_visual_token_count_from_header(make_image, config):
+    data = make_image("jpeg", 1024, 768)
+    grid = plan_grid(probe(data), config, 28 * 28 * 100)
+    assert num_visual_tokens(grid, config.merge_size) <= 100
+    assert preprocess(data, config, 28 * 28 * 100).patches.shape[0] == grid[1] * grid[2]
+
+
+def test_draft_keeps_grid_and_stays_close(make_image, config):
+    data = make_image("jpeg", 2048, 1536, seed=7)
+    budget = 28 * 28 * 64  # target ~252x336: 6x smaller, so draft decodes at 1/4 scale
+    exact = preprocess(data, config, budget)
+    fast = preprocess(data, config.replace(draft=True), budget)
+    assert fast.grid_thw == exact.grid_thw
+    diff = np.abs(fast.patches - exact.patches)
+    assert 0 < diff.mean() < 0.05  # differs (draft really ran), yet ~1 level of 255 on average
+
+
+def test_draft_does_nothing_below_2x(make_image, config):
+    data = make_image("jpeg", 400, 300, seed=8)  # default budget keeps it ~400x300: no 2x margin
+    assert np.array_equal(
+        preprocess(data, config.replace(draft=True)).patches, preprocess(data, config).patches
+    )
+
+
+def test_draft_respects_orientation(make_image, config):
+    data = make_image("jpeg", 1600, 600, seed=9, orientation=6)
+    exact = preprocess(data, config, 28 * 28 * 32)
+    fast = preprocess(data, config.replace(draft=True), 28 * 28 * 32)
+    assert fast.grid_thw == exact.grid_thw
+    assert np.abs(fast.patches - exact.patches).mean() < 0.05
+
+
+def test_alpha_is_composited_over_white(config):
+    # A fully transparent image must come out as white, not as its hidden RGB (black here).
+    buf = io.BytesIO()
+    Image.new("RGBA", (56, 56), (0, 0, 0, 0)).save(buf, "PNG")
+    patches = preprocess(buf.getvalue(), config).patches
+    white = (1.0 - np.asarray(config.image_mean, dtype=np.float32)) / np.asarray(config.image_std, np.float32)
+    per_channel = patches.reshape(-1, 3, config.temporal_patch_size * config.patch_size**2)
+    np.testing.assert_allclose(per_channel[0, :, 0], white, atol=1e-5)

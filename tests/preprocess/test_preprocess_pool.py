@@ -1,0 +1,204 @@
+"""PreprocessPool: same numbers as in-process preprocess(), crash isolation, no leaked shared
+memory, no zombies, and an event loop that keeps running while workers are busy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+
+from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError, preprocess
+
+FAULT = b"\x00VLMSERVE-TEST-FAULT:"
+
+
+def _our_segments() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("vlmpp_")}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with PreprocessPool(2, _fault_prefix=FAULT) as p:
+        assert p.wait_ready(120)
+        yield p
+    assert not _our_segments()
+
+
+@pytest.fixture(scope="module")
+def images(make_image):
+    return [
+        make_image("jpeg", 333, 517, seed=1),
+        make_image("png", 1024, 768, seed=2),
+        make_image("rgba_png", 1000, 60, seed=3),
+        make_image("jpeg", 400, 240, seed=4, orientation=6),
+    ]
+
+
+def test_pool_matches_in_process(pool, images, config):
+    async def go():
+        jobs = [(data, mp) for data in images for mp in (None, 28 * 28 * 64)]
+        results = await asyncio.gather(*(pool.submit(data, config, mp) for data, mp in jobs))
+        return jobs, results
+
+    jobs, results = asyncio.run(go())
+    for (data, mp), got in zip(jobs, results):
+        want = preprocess(data, config, mp)
+        assert got.grid_thw == want.grid_thw
+        assert got.patches.dtype == np.float32
+        assert np.array_equal(got.patches, want.patches)
+    assert pool.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
+
+
+def test_bad_input_error_crosses_the_process_boundary(pool, config, images):
+    with pytest.raises(PreprocessError) as info:
+        pool.run(b"definitely not an image", config)
+    assert info.value.code == "unsupported_format"
+    with pytest.raises(PreprocessError) as info:
+        pool.run(images[0], config.replace(max_bytes=10))
+    assert info.value.code == "too_many_bytes"
+
+
+@pytest.mark.parametrize("fault", [b"exit", b"segv"])
+def test_dead_worker_fails_only_its_request(pool, images, config, fault):
+    before = pool.stats.worker_restarts
+    old_pids = set(pool.worker_pids())
+
+    async def go():
+        good = [pool.submit(images[i % 2], config, 28 * 28 * 64) for i in range(6)]
+        bad = pool.submit(FAULT + fault, config)
+        return await asyncio.gather(*good[:3], bad, *good[3:], return_exceptions=True)
+
+    results = asyncio.run(go())
+    crashed = results.pop(3)
+    assert isinstance(crashed, PreprocessWorkerError)
+    assert "died" in str(crashed) and ("exit code 3" in str(crashed) or "SIGSEGV" in str(crashed))
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert pool.stats.worker_restarts == before + 1
+    assert len(pool.worker_pids()) == 2 and set(pool.worker_pids()) != old_pids
+    assert pool.run(images[1], config).grid_thw == preprocess(images[1], config).grid_thw
+
+
+def test_shared_memory_is_bounded_and_cleaned_up(pool, images, config):
+    # Small, then larger budgets: each worker's arena grows, and outgrown segments must go.
+    for budget in (28 * 28 * 16, None, 2048 * 2048):
+        for data in images:
+            pool.run(data, config, budget)
+    live = _our_segments()
+    assert 0 < len(live) <= pool.num_workers  # one arena per worker, nothing per request
+    with pytest.raises(PreprocessError):
+        pool.run(images[0][:500], config)  # truncated: fails inside the worker
+    # A worker grows its arena to a segment the parent has never heard of, then dies:
+    # the parent must find and unlink it, and the dead worker's old arena too.
+    with pytest.raises(PreprocessWorkerError):
+        pool.run(FAULT + b"late-exit", config)
+    after = _our_segments()
+    assert after < live, (after, live)
+    assert pool.run(images[1], config).grid_thw == preprocess(images[1], config).grid_thw
+
+
+def test_hung_worker_is_killed_after_timeout(pool, images, config):
+    old = pool.timeout_s
+    pool.timeout_s = 1.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(PreprocessWorkerError, match="longer than 1.0 s"):
+            pool.run(FAULT + b"hang", config)
+        assert time.monotonic() - start < 10
+    finally:
+        pool.timeout_s = old
+    assert pool.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
+
+
+def test_event_loop_keeps_ticking(pool, make_image, config):
+    big = [make_image("jpeg", 2048, 1536, seed=10), make_image("png", 1536, 2048, seed=11)]
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+        done = asyncio.Event()
+
+        async def ticker():
+            last = loop.time()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = loop.time()
+                gaps.append(now - last)
+                last = now
+
+        task = asyncio.create_task(ticker())
+        start = loop.time()
+        results = await asyncio.gather(*(pool.submit(big[i % 2], config) for i in range(8)))
+        elapsed = loop.time() - start
+        done.set()
+        await task
+        return results, gaps, elapsed
+
+    results, gaps, elapsed = asyncio.run(go())
+    assert len(results) == 8 and all(r.patches.shape[0] > 1000 for r in results)
+    # Had anything blocked the loop for the whole batch, one gap would span ~`elapsed`.
+    assert elapsed > 0.5
+    assert max(gaps) < 0.25, (max(gaps), elapsed)
+    assert len(gaps) > elapsed / 0.05
+
+
+def test_stats_and_latency_hook(pool, images, config):
+    seen: list[float] = []
+    before = pool.stats.images
+    pool.on_latency = seen.append
+    try:
+        pool.run(images[0], config)
+        with pytest.raises(PreprocessError):
+            pool.run(b"", config)
+    finally:
+        pool.on_latency = None
+    assert pool.stats.images == before + 1
+    assert len(seen) == 2 and all(s > 0 for s in seen)
+    assert pool.stats.total_seconds >= sum(seen) and pool.stats.mean_seconds > 0
+
+
+def _gone(pid: int) -> bool:
+    # kill(pid, 0) still succeeds on a zombie, so this also proves the worker was reaped.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_close_reaps_workers_and_refuses_new_work(images, config):
+    p = PreprocessPool(1)
+    p.run(images[0], config)
+    pids = p.worker_pids()
+    p.close()
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids and all(_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        p.run(images[0], config)
+    p.close()  # idempotent
+
+
+def test_spawn_start_method(images):
+    config = PreprocessConfig(resize_backend="pil")  # the spawned worker still imports torch at warm-up
+    with PreprocessPool(1, start_method="spawn") as p:
+        got = p.run(images[2], config)
+    assert np.array_equal(got.patches, preprocess(images[2], config).patches)
+
+
+def test_cancelled_requests_do_not_disturb_the_pool(pool, images, config):
+    async def go():
+        tasks = [asyncio.create_task(pool.submit(images[1], config)) for _ in range(8)]
+        await asyncio.sleep(0.01)
+        for task in tasks[3:]:
+            task.cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert all(not isinstance(r, BaseException) for r in results[:3])
+    assert pool.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
+    with pytest.raises(ValueError, match="max_pixels"):
+        pool.run(images[0], config, max_pixels=0)
