@@ -89,6 +89,10 @@ class BlockManager:
             parent = h
         return hits, hashes
 
+    def cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the prefix cache would serve if it were admitted now."""
+        return len(self._match(seq)[0]) * self.block_size
+
     def can_allocate(self, seq: Sequence, keep_watermark: bool = True) -> bool:
         """Whether ``seq`` fits now; the watermark keeps room for running sequences to grow."""
         hits, _ = self._match(seq)

@@ -32,6 +32,13 @@ class EngineConfig:
     memory_utilization: float = 0.5
     attention_backend: str = "auto"
     warmup_image_patches: int = 4096
+    # Vision path
+    preprocess_workers: int = 0  # processes for decode/resize; 0 = threads in this process
+    embedding_cache_bytes: int = 512 << 20  # L1 (in-process) embedding cache
+    redis_url: str | None = None  # optional L2 shared by replicas
+    redis_key_prefix: str = "vlmserve:"
+    encoder_max_batch_patches: int = 16384
+    encoder_max_wait_ms: float = 2.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from cache import EmbeddingCache
+from encoder import VisionPipeline, vision_fingerprint
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
 from lm_engine.detokenizer import detokenize_step, flush
@@ -20,6 +22,7 @@ from lm_engine.sampler import sample
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import Scheduler
 from lm_engine.sequence import Sequence, SequenceStatus
+from preprocess import PreprocessConfig, PreprocessPool
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -41,7 +44,8 @@ class LLMEngine:
         self.model_config = Qwen2VLConfig.from_dir(path)
         self.dtype = config.resolve_dtype(self.model_config.dtype)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        self.processor = InputProcessor(path, self.model_config)
+        self.preprocess_config = PreprocessConfig.from_checkpoint(path)
+        self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
         self.runner = ModelRunner(
             path,
             self.model_config,
@@ -69,7 +73,26 @@ class LLMEngine:
                 pool_tokens,
             )
             self.max_model_len = pool_tokens
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_batched_tokens, config.max_num_seqs, ready=self._images_ready
+        )
+        self.processor.model_fingerprint = vision_fingerprint(self.runner.vision)
+        self.embedding_cache = EmbeddingCache.create(
+            config.embedding_cache_bytes, config.redis_url, prefix=config.redis_key_prefix
+        )
+        self.preprocess_pool = (
+            PreprocessPool(config.preprocess_workers) if config.preprocess_workers > 0 else None
+        )
+        self.vision = VisionPipeline(
+            self.runner.encode_images,
+            self.preprocess_config,
+            merge_size=self.model_config.spatial_merge_size,
+            cache=self.embedding_cache,
+            pool=self.preprocess_pool,
+            max_batch_patches=config.encoder_max_batch_patches,
+            max_wait_s=config.encoder_max_wait_ms / 1000,
+        )
+        self._failed: list[Sequence] = []
         self.requests: dict[str, RequestState] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.step_count = 0
@@ -130,10 +153,12 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        failed = self._fail_broken_images()
         if sched.is_empty:
-            return []
+            if not failed and self.vision.pending:
+                self.vision.wait(0.05)  # nothing runnable until an image is encoded
+            return failed
         self.step_count += 1
-        self._encode_pending_images(sched)
         completing, logits = self.runner.execute(sched)
         touched: dict[str, RequestState] = {}
         for chunk in sched.chunks:
@@ -167,27 +192,53 @@ class LLMEngine:
                 self._check_stop(seq, tok)
         for seq in sched.preempted:
             touched.setdefault(seq.request_id, self.requests[seq.request_id])
-        return [out for state in touched.values() if (out := self._make_output(state)) is not None]
+        return failed + [out for state in touched.values() if (out := self._make_output(state)) is not None]
 
-    def _encode_pending_images(self, sched) -> None:
-        todo, seen = [], {}
-        for chunk in sched.chunks:
-            seq = chunk.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_tokens
-            for img in seq.images:
-                if img.embedding is None and img.offset < end and img.offset + img.length > start:
-                    if img.key in seen:
-                        continue
-                    seen[img.key] = img
-                    todo.append(img)
-        if not todo:
-            return
-        for img, emb in zip(todo, self.runner.encode_images(todo)):
-            img.embedding = emb
-        for chunk in sched.chunks:  # identical images in other sequences share the rows
-            for img in chunk.seq.images:
-                if img.embedding is None and img.key in seen:
-                    img.embedding = seen[img.key].embedding
+    def _images_ready(self, seq: Sequence) -> bool:
+        """Admission gate: the images overlapping what the prefix cache cannot serve must be encoded."""
+        if not seq.images:
+            return True
+        cached = self.block_manager.cached_prefix_tokens(seq)
+        need = [im for im in seq.images if im.embedding is None and im.offset + im.length > cached]
+        if any(im.error is not None for im in need):
+            self._failed.append(seq)
+            return False
+        if need:
+            self.vision.request(need)
+            return False
+        return True
+
+    def _fail_broken_images(self) -> list[RequestOutput]:
+        outs = []
+        for seq in self._failed:
+            state = self.requests.pop(seq.request_id, None)
+            if state is None:
+                continue
+            err = next(im.error for im in seq.images if im.error is not None)
+            index = next(i for i, im in enumerate(seq.images) if im.error is not None)
+            for s in state.seqs:
+                if not s.is_finished:
+                    self.scheduler.finish(s)
+                    s.finish_reason = "error"
+            code = getattr(err, "code", "invalid_image")
+            message = getattr(err, "message", str(err))
+            outs.append(
+                RequestOutput(
+                    request_id=state.request_id,
+                    prompt_token_ids=state.prompt.token_ids,
+                    outputs=[CompletionOutput(index=0, token_ids=[], text="", finish_reason="error")],
+                    finished=True,
+                    error={"message": f"image {index}: {message}", "code": code, "param": "image_url"},
+                )
+            )
+        self._failed.clear()
+        return outs
+
+    def close(self) -> None:
+        self.vision.close()
+        if self.preprocess_pool is not None:
+            self.preprocess_pool.close()
+        self.embedding_cache.close()
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params

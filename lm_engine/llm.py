@@ -31,6 +31,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the vision pipeline's threads and the preprocess processes."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def chat(
         self,
         conversations: list[list[dict]] | list[dict],

@@ -12,7 +12,6 @@ import torch
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder, VisionTower
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
-from lm_engine.sequence import ImageItem
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -190,12 +189,9 @@ class ModelRunner:
 
     # -- vision ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def encode_images(self, items: list[ImageItem]) -> list[torch.Tensor]:
-        """One varlen vision-tower pass over several images; returns each image's embedding rows."""
-        pixels = torch.cat([it.pixel_values for it in items]).to(self.device)
-        grids = torch.tensor([it.grid_thw for it in items], device=self.device)
-        merged = self.vision(pixels, grids)
-        return list(merged.split([it.length for it in items]))
+    def encode_images(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """One varlen vision-tower pass over several images' patches; rows of all images, in order."""
+        return self.vision(pixels.to(self.device), grid_thw.to(self.device)).cpu()
 
     # -- one step ----------------------------------------------------------------------------------------
     def build_batch(self, sched: SchedulerOutput) -> StepBatch:

@@ -25,6 +25,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     visual_tokens: list[int] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    error: dict | None = None  # {"message", "code", "param"} when the request failed (e.g. a bad image)
 
     # Single-choice conveniences (choice 0).
     @property

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from PIL import Image
 from tokenizers import Tokenizer
 
+from cache import EmbeddingKey
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, mrope_positions
 from lm_engine.sequence import ImageItem
+from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
 
 
 class InputError(ValueError):
@@ -119,17 +120,30 @@ def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     return out, images
 
 
-def image_identity(data: bytes | Image.Image) -> str:
-    """xxh3_128 of the encoded bytes as received (a PIL image hashes its mode, size and pixels)."""
-    if isinstance(data, Image.Image):
-        h = xxhash.xxh3_128(f"{data.mode}:{data.size}".encode())
-        h.update(data.tobytes())
-        return h.hexdigest()
-    return xxhash.xxh3_128(data).hexdigest()
+def image_identity(data: bytes) -> str:
+    """xxh3_128 of the encoded bytes as received."""
+    return image_hash(data)
+
+
+_PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
+
+
+def encode_pil(img: Image.Image) -> bytes:
+    """A PIL image handed to the offline API, as lossless PNG bytes for the same pipeline as uploads."""
+    if img.mode not in _PNG_MODES:
+        img = img.convert("RGBA" if "A" in img.getbands() else "RGB")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
 
 
 class InputProcessor:
-    def __init__(self, model_dir: str | Path, cfg: Qwen2VLConfig) -> None:
+    """Chat template + tokenizer + image grid planning. Images are only probed here (header, no decode):
+    decoding, resizing and encoding happen in the vision pipeline, and not at all on a cache hit."""
+
+    def __init__(
+        self, model_dir: str | Path, cfg: Qwen2VLConfig, preprocess_config: PreprocessConfig
+    ) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -141,25 +155,29 @@ class InputProcessor:
         )
         env.globals["raise_exception"] = _raise
         self.template = env.from_string(_load_chat_template(path))
-        from transformers import AutoImageProcessor
-
-        self.image_processor = AutoImageProcessor.from_pretrained(str(path))
+        self.preprocess_config = preprocess_config
+        self.preprocess_fingerprint = preprocess_config.fingerprint()
+        self.model_fingerprint = ""  # set once the vision weights are loaded
         self.merge = cfg.spatial_merge_size
-        self._fingerprint = xxhash.xxh3_64(
-            json.dumps(self.image_processor.to_dict(), sort_keys=True, default=str).encode()
-        ).digest()
 
     def render(self, messages: list[dict]) -> str:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
-    def process_chat(self, messages: list[dict]) -> PromptInputs:
+    def process_chat(
+        self, messages: list[dict], max_pixels: list[int | None] | int | None = None
+    ) -> PromptInputs:
+        """``max_pixels``: the visual budget, one for all images or one per image (None: the config's)."""
         norm, image_parts = normalize_messages(messages)
         text = self.render(norm)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         pad = self.cfg.image_token_id
         if ids.count(pad) != len(image_parts):
             raise InputError("the number of image placeholders does not match the number of images")
-        items = [self.process_image(image_bytes_of(p)) for p in image_parts]
+        budgets = max_pixels if isinstance(max_pixels, list) else [max_pixels] * len(image_parts)
+        items = [
+            self.process_image(image_bytes_of(p), budget, index=i)
+            for i, (p, budget) in enumerate(zip(image_parts, budgets))
+        ]
         token_ids: list[int] = []
         pending = iter(items)
         for tok in ids:
@@ -172,29 +190,27 @@ class InputProcessor:
         positions, delta = mrope_positions(token_ids, [(i.offset, i.grid_thw) for i in items], self.merge)
         return PromptInputs(token_ids, items, positions, delta)
 
-    def process_image(self, data: bytes | Image.Image) -> ImageItem:
-        ident = image_identity(data)
+    def process_image(
+        self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0
+    ) -> ImageItem:
         if isinstance(data, Image.Image):
-            img = data
-        else:
-            try:
-                img = Image.open(io.BytesIO(data))
-                img.load()
-            except Exception as exc:  # PIL raises many types for bad data
-                raise InputError(
-                    f"cannot decode image: {exc}", param="image_url", code="invalid_image"
-                ) from None
-        out = self.image_processor(images=[img], return_tensors="pt")
-        grid = tuple(int(v) for v in out["image_grid_thw"][0].tolist())
-        length = grid[0] * grid[1] * grid[2] // (self.merge**2)
-        key = xxhash.xxh3_128(ident.encode() + repr(grid).encode() + self._fingerprint).digest()
+            data = encode_pil(data)
+        try:
+            info = probe(data, self.preprocess_config)
+            grid = plan_grid(info, self.preprocess_config, max_pixels)
+        except PreprocessError as exc:
+            raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
+        ident = image_identity(data)
+        ekey = EmbeddingKey(ident, grid, self.preprocess_fingerprint, self.model_fingerprint)
         return ImageItem(
             offset=-1,
-            length=length,
-            key=key,
+            length=num_visual_tokens(grid, self.merge),
+            key=ekey.digest().encode(),
             grid_thw=grid,
-            pixel_values=out["pixel_values"],
             image_hash=ident,
+            data=data,
+            max_pixels=max_pixels,
+            ekey=ekey,
         )
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

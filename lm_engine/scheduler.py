@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lm_engine.block_manager import BlockManager
@@ -36,8 +37,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        ready: Callable[[Sequence], bool] | None = None,
+    ) -> None:
         self.bm = block_manager
+        self.ready = ready  # False while a waiting sequence's images are still being encoded
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
@@ -83,11 +91,14 @@ class Scheduler:
             budget -= n
         if out.preempted:
             return out  # memory is short: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self.ready is not None and not self.ready(seq):
+                continue  # its images are still on the way; later requests may go first
             if not self.bm.can_allocate(seq, keep_watermark=bool(self.running)):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.bm.allocate(seq)
             if not seq.first_admitted:
                 seq.num_cached_tokens = seq.num_computed_tokens

@@ -18,22 +18,30 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ImageItem:
     """One image's placeholder span in a prompt.
 
-    ``key`` is the image's identity for caching (image bytes hash + grid + preprocessing config), the
-    same bytes that go into prefix-cache block hashes. ``embedding`` holds the connector output rows
-    once encoded; chunked prefill slices it, never re-encodes it.
+    ``key`` is the image's identity for caching: the embedding-cache key's digest (image bytes hash,
+    grid, preprocessing config, model fingerprint), the same bytes that go into prefix-cache block
+    hashes. ``embedding`` holds the connector output rows once encoded (set by the vision pipeline);
+    chunked prefill slices it, never re-encodes it. ``error`` is set instead when the image fails.
     """
 
     offset: int
     length: int
     key: bytes
     grid_thw: tuple[int, int, int]
-    pixel_values: torch.Tensor | None = None
-    embedding: torch.Tensor | None = None
     image_hash: str = ""
+    data: bytes | None = None  # the encoded image, until preprocessed
+    max_pixels: int | None = None  # the visual budget the grid was planned with
+    ekey: object = None  # cache.EmbeddingKey
+    embedding: torch.Tensor | None = None
+    error: Exception | None = None
+
+    @property
+    def key_hex(self) -> str:
+        return self.key.decode()
 
 
 _seq_ids = itertools.count()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 
 def make_image(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -49,7 +49,9 @@ class HFOracle:
                 parts = []
                 for p in content:
                     if p.get("type") == "image":
-                        images.append(Image.open(io.BytesIO(p["image"])))
+                        # NOTE: as transformers' own load_image does: EXIF orientation applied (its processor alone
+                        # does not rotate PIL images), alpha left to the processor's convert_to_rgb.
+                        images.append(ImageOps.exif_transpose(Image.open(io.BytesIO(p["image"]))))
                         parts.append({"type": "image"})
                     else:
                         parts.append(p)

@@ -103,24 +103,26 @@ def test_prefix_cache_without_image_identity_fails(tiny_ckpt, hf_oracle, monkeyp
     assert any(o.token_ids != r for o, r in zip(outs, refs[1:])), "the broken hash went unnoticed"
 
 
-def test_preemption_by_recompute(tiny_ckpt, references):
-    # 67 blocks of 16 tokens barely hold the largest request: the others are preempted and recomputed.
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=128, num_kv_blocks=67, enable_prefix_caching=True)
-    outs = llm.chat(mixed_requests(), GREEDY)
-    assert_matches(outs, references)
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-
-
-def test_decode_growth_preempts_and_recovers(tiny_ckpt, hf_oracle):
-    """Eight requests admitted into a pool that cannot hold their decodes: growth forces preemption."""
-    convs = [user(f"Question {i}: " + "please tell me more about it " * (2 + i % 3)) for i in range(8)]
+def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
+    """Requests with images admitted into a pool too small for their decodes: growth forces preemption,
+    and the recomputed requests still match transformers (with and without prefix caching)."""
+    convs = [
+        user(
+            image_part(make_image(224, 168 + 56 * (i % 2), 300 + i)),
+            f"Question {i}: " + "tell me more " * (i % 3),
+        )
+        if i % 4
+        else user(f"Question {i}: " + "please tell me more about it " * (2 + i % 3))
+        for i in range(8)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=40)
     refs = [hf_oracle.generate(c, 40) for c in convs]
     for caching in (True, False):
-        llm = LLM(str(tiny_ckpt), max_num_batched_tokens=256, num_kv_blocks=30, enable_prefix_caching=caching)
+        llm = LLM(str(tiny_ckpt), max_num_batched_tokens=256, num_kv_blocks=48, enable_prefix_caching=caching)
         assert_matches(llm.chat(convs, params), refs)
         assert llm.engine.scheduler.num_preemptions > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_no_prefix_caching_matches(tiny_ckpt, references):

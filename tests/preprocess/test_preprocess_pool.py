@@ -130,17 +130,17 @@ def test_event_loop_keeps_ticking(pool, make_image, config):
 
         task = asyncio.create_task(ticker())
         start = loop.time()
-        results = await asyncio.gather(*(pool.submit(big[i % 2], config) for i in range(8)))
+        results = await asyncio.gather(*(pool.submit(big[i % 2], config) for i in range(16)))
         elapsed = loop.time() - start
         done.set()
         await task
         return results, gaps, elapsed
 
     results, gaps, elapsed = asyncio.run(go())
-    assert len(results) == 8 and all(r.patches.shape[0] > 1000 for r in results)
+    assert len(results) == 16 and all(r.patches.shape[0] > 1000 for r in results)
     # Had anything blocked the loop for the whole batch, one gap would span ~`elapsed`.
-    assert elapsed > 0.5
-    assert max(gaps) < 0.25, (max(gaps), elapsed)
+    assert elapsed > 0.3
+    assert max(gaps) < min(0.25, elapsed / 3), (max(gaps), elapsed)
     assert len(gaps) > elapsed / 0.05
 
 
