@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from lm_engine.config import EngineConfig
-from lm_engine.engine import LLMEngine
+from lm_engine.engine import EngineOverloaded, LLMEngine
 from lm_engine.llm import LLM
 from lm_engine.outputs import CompletionOutput, RequestOutput
 from lm_engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineOverloaded",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -39,10 +39,22 @@ class EngineConfig:
     redis_key_prefix: str = "vlmserve:"
     encoder_max_batch_patches: int = 16384
     encoder_max_wait_ms: float = 2.0
+    # Load: visual budget controller and admission control
+    # "adaptive" lowers new images' max_pixels under load (the server's default); "fixed" (offline default)
+    # gives every image the configured maximum, as a batch job with no latency target wants.
+    visual_budget: str = "fixed"
+    visual_ladder: tuple[int, ...] | None = None  # max_pixels per level; default 100/50/25 %/minimum
+    ttft_slo_ms: float = 2000.0
+    budget_dwell_s: float = 1.0
+    # Admission bounds on queued work (None: unbounded, as offline batches want; the server sets them).
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.visual_budget not in ("adaptive", "fixed"):
+            raise ValueError(f"visual_budget must be 'adaptive' or 'fixed', got {self.visual_budget!r}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 

@@ -22,9 +22,18 @@ from lm_engine.sampler import sample
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import Scheduler
 from lm_engine.sequence import Sequence, SequenceStatus
+from lm_engine.visual_budget import BudgetSignals, TTFTWindow, VisualBudgetController, default_ladder
 from preprocess import PreprocessConfig, PreprocessPool
 
 log = logging.getLogger("vlmserve.engine")
+
+
+class EngineOverloaded(RuntimeError):
+    """New work refused by admission control (a 503 with Retry-After to an HTTP client)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -93,13 +102,43 @@ class LLMEngine:
             max_wait_s=config.encoder_max_wait_ms / 1000,
         )
         self._failed: list[Sequence] = []
+        pp = self.preprocess_config
+        self.visual_budget = VisualBudgetController(
+            ladder=list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels)),
+            ttft_slo_s=config.ttft_slo_ms / 1000,
+            dwell_s=config.budget_dwell_s,
+            enabled=config.visual_budget == "adaptive",
+        )
+        self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s)
+        self.num_rejected = 0
         self.requests: dict[str, RequestState] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.step_count = 0
 
     # -- requests ------------------------------------------------------------------------------------------
     def process_chat(self, messages: list[dict]) -> PromptInputs:
-        return self.processor.process_chat(messages)
+        """Messages → prompt; each image's grid is planned at the visual budget level of this moment."""
+        return self.processor.process_chat(messages, budget=self.visual_budget.max_pixels)
+
+    def check_admission(self, num_tokens: int = 0) -> None:
+        """Raise EngineOverloaded when new work could not be served in time (never drops admitted work)."""
+        sched, cfg = self.scheduler, self.config
+        reason = None
+        if self.visual_budget.saturated:
+            reason = "the server is at its lowest visual budget and still over its latency target"
+        elif cfg.max_queued_requests is not None and len(sched.waiting) >= cfg.max_queued_requests:
+            reason = f"{len(sched.waiting)} requests are already queued"
+        elif (
+            cfg.max_queued_tokens is not None and sched.waiting_tokens() + num_tokens > cfg.max_queued_tokens
+        ):
+            reason = "the queue of prompt tokens is full"
+        if reason is not None:
+            self.num_rejected += 1
+            raise EngineOverloaded(f"overloaded: {reason}; retry shortly", retry_after_s=self._retry_after())
+
+    def _retry_after(self) -> float:
+        tokens = self.scheduler.waiting_tokens() + sum(s.num_uncomputed for s in self.scheduler.running)
+        return max(1.0, min(30.0, tokens / max(1, self.config.max_num_batched_tokens) * 0.05))
 
     def add_request(
         self, request_id: str, prompt: PromptInputs | list[dict], params: SamplingParams, client_key: str = ""
@@ -109,6 +148,7 @@ class LLMEngine:
         if not isinstance(prompt, PromptInputs):
             prompt = self.process_chat(prompt)
         n_prompt = len(prompt.token_ids)
+        self.check_admission(n_prompt)
         if n_prompt >= self.max_model_len:
             raise InputError(
                 f"prompt is {n_prompt} tokens; this model's context is {self.max_model_len} tokens",
@@ -152,6 +192,7 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._update_visual_budget()
         sched = self.scheduler.schedule()
         failed = self._fail_broken_images()
         if sched.is_empty:
@@ -188,11 +229,26 @@ class LLMEngine:
             for seq, tok in zip(seqs, tokens):
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                    if seq.index == 0:
+                        self.ttft_window.add(now - seq.arrival_time)
                 seq.token_ids.append(tok)
                 self._check_stop(seq, tok)
         for seq in sched.preempted:
             touched.setdefault(seq.request_id, self.requests[seq.request_id])
         return failed + [out for state in touched.values() if (out := self._make_output(state)) is not None]
+
+    def _update_visual_budget(self) -> None:
+        queued = self.scheduler.waiting_tokens() + sum(
+            s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1
+        )
+        self.visual_budget.update(
+            BudgetSignals(
+                queued_tokens=queued,
+                token_budget=self.config.max_num_batched_tokens,
+                kv_usage=self.block_manager.usage(),
+                recent_ttft_s=self.ttft_window.percentile(0.9),
+            )
+        )
 
     def _images_ready(self, seq: Sequence) -> bool:
         """Admission gate: the images overlapping what the prefix cache cannot serve must be encoded."""
@@ -301,8 +357,13 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
             visual_tokens=[i.length for i in state.prompt.images],
+            visual_levels=[self._level_of(i.max_pixels) for i in state.prompt.images],
             metrics=metrics,
         )
+
+    def _level_of(self, max_pixels: int | None) -> int:
+        ladder = self.visual_budget.ladder
+        return ladder.index(max_pixels) if max_pixels in ladder else 0
 
     # -- introspection -------------------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:

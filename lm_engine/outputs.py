@@ -24,6 +24,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     visual_tokens: list[int] = field(default_factory=list)
+    visual_levels: list[int] = field(default_factory=list)  # visual budget level per image (0 = full)
     metrics: dict = field(default_factory=dict)
     error: dict | None = None  # {"message", "code", "param"} when the request failed (e.g. a bad image)
 

@@ -6,6 +6,7 @@ import base64
 import binascii
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,15 @@ def image_bytes_of(part: dict) -> bytes | Image.Image:
     )
 
 
+def image_detail(part: dict) -> str | None:
+    spec = part.get("image_url")
+    detail = spec.get("detail") if isinstance(spec, dict) else None
+    detail = detail or part.get("detail")
+    if detail not in (None, "auto", "low", "high"):
+        raise InputError(f"detail must be 'auto', 'low' or 'high', got {detail!r}", param="detail")
+    return detail
+
+
 def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     """Messages with image parts reduced to {"type": "image"} for the template, and the image parts in order."""
     if not isinstance(messages, list) or not messages:
@@ -164,16 +174,16 @@ class InputProcessor:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def process_chat(
-        self, messages: list[dict], max_pixels: list[int | None] | int | None = None
+        self, messages: list[dict], budget: Callable[[str | None], int | None] | None = None
     ) -> PromptInputs:
-        """``max_pixels``: the visual budget, one for all images or one per image (None: the config's)."""
+        """``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's)."""
         norm, image_parts = normalize_messages(messages)
         text = self.render(norm)
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         pad = self.cfg.image_token_id
         if ids.count(pad) != len(image_parts):
             raise InputError("the number of image placeholders does not match the number of images")
-        budgets = max_pixels if isinstance(max_pixels, list) else [max_pixels] * len(image_parts)
+        budgets = [budget(image_detail(p)) if budget else None for p in image_parts]
         items = [
             self.process_image(image_bytes_of(p), budget, index=i)
             for i, (p, budget) in enumerate(zip(image_parts, budgets))
