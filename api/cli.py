@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+
+from api.config import DEFAULT_IMAGE_LIMIT, ServerArgs, parse_limit_mm
+from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT, MediaConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +26,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (default: measured)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g = p.add_argument_group("vision path")
+    g.add_argument(
+        "--preprocess-workers",
+        type=int,
+        default=None,
+        help="image decode/resize processes (default: min(4, cores); 0 = threads in the server process)",
+    )
+    g.add_argument("--embedding-cache-mb", type=int, default=512, help="in-process embedding cache (L1) size")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for the shared embedding cache (L2), e.g. redis://127.0.0.1:6379/0",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -34,6 +51,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
+        preprocess_workers=(
+            min(4, os.cpu_count() or 1) if args.preprocess_workers is None else args.preprocess_workers
+        ),
+        embedding_cache_bytes=args.embedding_cache_mb << 20,
+        redis_url=args.redis_url,
         attention_backend=args.attention_backend,
     )
 
@@ -99,6 +121,107 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model' (default: the model path)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=parse_limit_mm,
+        default={},
+        help=f"items per request, e.g. image=4 or '{{\"image\": 4}}' (default: image={DEFAULT_IMAGE_LIMIT})",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="serve file:// image URLs from under this directory only",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        help="image URL hosts that may be fetched even when they resolve to private/loopback addresses",
+    )
+    p.add_argument(
+        "--allow-private-media",
+        action="store_true",
+        help="fetch image URLs on private, loopback and link-local addresses (trusted networks only)",
+    )
+    p.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per-image byte cap")
+    p.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        help="read timeout (s) for image URLs",
+    )
+    p.add_argument(
+        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    g = p.add_argument_group("load control")
+    g.add_argument(
+        "--visual-budget",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: lower new images' max_pixels under load (default); fixed: always the configured maximum",
+    )
+    g.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token target under load")
+    g.add_argument(
+        "--max-queued-requests", type=int, default=None, help="refuse new work (503) past this queue"
+    )
+    g.add_argument(
+        "--max-queued-tokens", type=int, default=None, help="refuse new work (503) past these queued tokens"
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from api.server import run_server
+    from lm_engine.config import EngineConfig
+
+    model = args.model
+    if model is None:
+        from lm_engine.models.demo import demo_checkpoint
+
+        print("no --model given: serving the demo checkpoint (random weights, generated once)", flush=True)
+        model = str(demo_checkpoint())
+    server_args = ServerArgs(
+        engine=EngineConfig(
+            model=model,
+            **_engine_kwargs(args),
+            visual_budget=args.visual_budget,
+            ttft_slo_ms=args.ttft_slo_ms,
+            max_queued_requests=args.max_queued_requests,
+            max_queued_tokens=args.max_queued_tokens,
+        ),
+        host=args.host,
+        port=args.port,
+        served_model_names=args.served_model_name or ([] if args.model else ["vlmserve-demo"]),
+        api_key=args.api_key or None,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        media=MediaConfig(
+            max_bytes=args.max_media_bytes,
+            read_timeout=args.media_fetch_timeout,
+            allowed_domains=frozenset(args.allowed_media_domains),
+            allow_private=args.allow_private_media,
+            allowed_local_path=args.allowed_local_media_path,
+        ),
+        log_level=args.uvicorn_log_level,
+    )
+    run_server(server_args)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -108,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the demo model)")
+    _add_engine_args(p)
+    _add_server_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="offline generation on the (demo) model")
     _add_engine_args(p)

@@ -26,6 +26,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     top_ps = torch.tensor([seqs[i].params.top_p for i in random_rows], dtype=probs.dtype).unsqueeze(1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
     drop = (probs.cumsum(dim=-1) - probs) >= top_ps
+    drop[:, 0] = False  # NOTE: a top_p that underflows to 0 must still leave the top token
     probs = probs.masked_fill(drop, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
     for j, i in enumerate(random_rows):

@@ -1,0 +1,320 @@
+"""POST /v1/chat/completions: request → sampling params and prompt → engine → response or SSE stream."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+
+from api.async_engine import AsyncEngine, EngineDead, EngineFailure, RequestStream
+from api.config import ServerArgs
+from api.errors import APIError
+from api.media import MediaFetcher
+from api.metrics import ServerMetrics
+from api.prompt import prepare_prompt
+from api.protocol import ChatCompletionRequest
+from lm_engine.engine import EngineOverloaded
+from lm_engine.outputs import RequestOutput
+from lm_engine.sampling_params import SamplingParams
+
+_MIN_TOP_P = 1e-6
+VISUAL_LEVEL_HEADER = "X-Visual-Budget-Levels"
+
+
+def _engine_error(exc: EngineFailure | EngineDead) -> APIError:
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), code="engine_unavailable")
+    return APIError(500, str(exc), code="engine_error")
+
+
+def _usage(out: RequestOutput) -> dict:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    image = sum(out.visual_tokens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": out.num_cached_tokens,
+            "image_tokens": image,
+            "text_tokens": prompt - image,
+        },
+        "visual_tokens": list(out.visual_tokens),
+        "visual_levels": list(out.visual_levels),
+    }
+
+
+def visual_level_header(levels: list[int]) -> dict[str, str]:
+    """The visual budget level each image got (0 = full resolution), as a response header."""
+    return {VISUAL_LEVEL_HEADER: ",".join(map(str, levels))} if levels else {}
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+
+    def see(self, out: RequestOutput) -> None:
+        if self.first_token is None and any(c.token_ids for c in out.outputs):
+            self.first_token = time.monotonic()
+
+
+async def _outputs(stream: RequestStream, timing: _Timing) -> AsyncIterator[RequestOutput]:
+    """The request's outputs; a request the engine failed (e.g. an undecodable image) or an engine fault
+    becomes an APIError."""
+    try:
+        async for out in stream:
+            if out.error is not None:
+                raise APIError(
+                    400, out.error["message"], param=out.error.get("param"), code=out.error.get("code")
+                )
+            timing.see(out)
+            yield out
+    except (EngineFailure, EngineDead) as exc:
+        raise _engine_error(exc) from None
+
+
+async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in rest:
+        yield out
+
+
+class ChatService:
+    def __init__(
+        self,
+        args: ServerArgs,
+        engine: AsyncEngine,
+        media: MediaFetcher,
+        metrics: ServerMetrics,
+        executor: Executor,
+    ) -> None:
+        self.args = args
+        self.engine = engine
+        self.media = media
+        self.metrics = metrics
+        self.executor = executor
+
+    # -- validation ----------------------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        served = self.args.model_names
+        if name is not None and name not in served:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name or served[0]
+
+    def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if req.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(req, name):
+                raise APIError(400, f"{name} is not supported (use 0)", param=name, code="unsupported")
+        max_seqs = self.engine.engine.config.max_num_seqs
+        if req.n > max_seqs:
+            raise APIError(400, f"n must be at most {max_seqs} (--max-num-seqs)", param="n")
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                # NOTE: the sampler works in float32, where a top_p below ~1e-45 is 0 and drops every token;
+                # any top_p under the top token's probability means "the top token", so clamping keeps the meaning.
+                top_p=1.0 if req.top_p is None else max(req.top_p, _MIN_TOP_P),
+                top_k=req.top_k or 0,
+                # None: until a stop condition or the context length.
+                max_tokens=req.max_completion_tokens or req.max_tokens,
+                seed=req.seed,
+                stop=req.stop or [],
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    # -- serving -------------------------------------------------------------------------------------------
+    async def create(
+        self, req: ChatCompletionRequest, arrival: float, client_key: str = ""
+    ) -> dict | StreamingResponse:
+        model = self.check_model(req.model)
+        params = self.sampling_params(req)
+        prompt = await prepare_prompt(
+            self.engine.engine,
+            [m.to_engine() for m in req.messages],
+            self.media,
+            max_images=self.args.max_images,
+            executor=self.executor,
+        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
+            stream = await self.engine.add_request(
+                request_id, prompt, params, client_key=req.user or client_key
+            )
+        except (EngineFailure, EngineDead) as exc:
+            raise _engine_error(exc) from None
+        except EngineOverloaded as exc:
+            retry = str(math.ceil(exc.retry_after_s))
+            raise APIError(503, str(exc), code="overloaded", headers={"Retry-After": retry}) from None
+        timing = _Timing(arrival)
+        outputs = _outputs(stream, timing)
+        if not req.stream:
+            try:
+                return await self._complete(outputs, model, req.return_token_ids, timing)
+            finally:
+                stream.close()
+        # NOTE: the first output (first token, or the request's failure) comes before the response starts,
+        # so a request that fails early (a bad image found while decoding) still gets an HTTP error status.
+        try:
+            first = await anext(outputs)
+        except BaseException:
+            stream.close()
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(
+            self._stream(
+                stream,
+                _prepend(first, outputs),
+                model,
+                params.n,
+                include_usage,
+                list(prompt.token_ids) if req.return_token_ids else None,
+                timing,
+            ),
+            media_type="text/event-stream",
+            headers={"X-Request-Id": request_id, **visual_level_header(first.visual_levels)},
+        )
+
+    async def _complete(
+        self, outputs: AsyncIterator[RequestOutput], model: str, return_ids: bool, timing: _Timing
+    ) -> dict:
+        final = None
+        async for out in outputs:
+            final = out
+        assert final is not None and final.finished
+        self._record(final, timing)
+        choices = []
+        for c in final.outputs:
+            choice = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason,
+                "logprobs": None,
+                "stop_reason": c.stop_reason,
+            }
+            if return_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+        body = {
+            "id": final.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": _usage(final),
+        }
+        if return_ids:
+            body["prompt_token_ids"] = list(final.prompt_token_ids)
+        return body
+
+    async def _stream(
+        self,
+        stream: RequestStream,
+        outputs: AsyncIterator[RequestOutput],
+        model: str,
+        n: int,
+        include_usage: bool,
+        prompt_ids: list[int] | None,
+        timing: _Timing,
+    ) -> AsyncIterator[str]:
+        """SSE chunks; ``prompt_ids`` (given when token ids were asked for) also turns on per-chunk token_ids."""
+        created = int(time.time())
+
+        def chunk(choices: list[dict], usage: dict | None = None, **extra) -> str:
+            body = {
+                "id": stream.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                **extra,
+            }
+            if include_usage:
+                body["usage"] = usage
+            return _sse(body)
+
+        outcome = "aborted"  # unless the loop below completes: a disconnect cancels it mid-way
+        try:
+            first = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                for i in range(n)
+            ]
+            if prompt_ids is not None:
+                for choice in first:
+                    choice["token_ids"] = []
+            yield chunk(first, **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}))
+            done: set[int] = set()
+            last = None
+            async for out in outputs:
+                last = out
+                choices = []
+                for c in out.outputs:
+                    finished = c.finish_reason is not None
+                    if c.index in done or not (c.delta_text or c.delta_token_ids or finished):
+                        continue
+                    choice = {
+                        "index": c.index,
+                        "delta": {"content": c.delta_text} if c.delta_text else {},
+                        "logprobs": None,
+                        "finish_reason": c.finish_reason,
+                    }
+                    if finished:
+                        choice["stop_reason"] = c.stop_reason
+                        done.add(c.index)
+                    if prompt_ids is not None:
+                        choice["token_ids"] = list(c.delta_token_ids)
+                    choices.append(choice)
+                if choices:
+                    yield chunk(choices)
+            assert last is not None and last.finished
+            if include_usage:
+                yield chunk([], usage=_usage(last))
+            outcome = "ok"
+            self._record(last, timing)
+        except APIError as err:
+            outcome = "error"
+            self.metrics.count_error(err.status)
+            yield _sse(err.body())
+        finally:
+            stream.close()
+            if outcome == "aborted":
+                self.metrics.count("aborted")
+        yield "data: [DONE]\n\n"
+
+    def _record(self, out: RequestOutput, timing: _Timing) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        m.count("ok")
+        m.e2e.observe(now - timing.arrival)
+        if timing.first_token is not None:
+            m.ttft.observe(timing.first_token - timing.arrival)
+            longest = max(len(c.token_ids) for c in out.outputs)
+            if longest > 1:
+                m.tpot.observe((now - timing.first_token) / (longest - 1))
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.cached_tokens.inc(out.num_cached_tokens)
+        m.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))

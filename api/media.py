@@ -1,0 +1,182 @@
+"""Image URLs → bytes: data: URLs, http(s) behind the SSRF guard (api/ssrf.py) with byte, time and
+redirect caps, and file:// under an allowed directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from api.errors import APIError
+from api.ssrf import AddressGuard, GuardedTransport, refused
+from lm_engine.processor import InputError, decode_data_url
+
+DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_READ_TIMEOUT = 10.0
+
+
+@dataclass(slots=True)
+class MediaConfig:
+    max_bytes: int = DEFAULT_MAX_BYTES  # per image, as received
+    connect_timeout: float = 5.0
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    total_timeout: float = 30.0  # a whole fetch, redirects included (a slow drip resets the read timeout)
+    max_redirects: int = 5
+    allowed_domains: frozenset[str] = field(default_factory=frozenset)  # may resolve to private addresses
+    allow_private: bool = False
+    allowed_local_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.allowed_local_path is not None:
+            root = Path(self.allowed_local_path).resolve()
+            if not root.is_dir():
+                raise ValueError(f"--allowed-local-media-path {self.allowed_local_path} is not a directory")
+            self.allowed_local_path = root
+
+
+class MediaFetcher:
+    def __init__(self, config: MediaConfig) -> None:
+        self.config = config
+        self.guard = AddressGuard(config.allowed_domains, config.allow_private)
+        self.client = httpx.AsyncClient(
+            transport=GuardedTransport(self.guard),
+            trust_env=False,  # an environment proxy would connect where the guard cannot see
+            follow_redirects=False,  # followed by hand, so every hop is checked
+            timeout=httpx.Timeout(config.read_timeout, connect=config.connect_timeout),
+            headers={"User-Agent": "vlmserve", "Accept-Encoding": "identity"},
+        )
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def fetch(self, url: str) -> bytes:
+        """The bytes behind an image URL; raises APIError (4xx) for anything a client got wrong."""
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return self._data(url)
+        if scheme in ("http", "https"):
+            return await self._http(url)
+        if scheme == "file":
+            return await asyncio.to_thread(self._file, url)
+        raise APIError(
+            400,
+            f"unsupported image URL scheme {scheme!r}: use data:, http(s): or file:",
+            param="image_url",
+            code="invalid_image_url",
+        )
+
+    def _too_large(self, what: str) -> APIError:
+        return APIError(
+            413,
+            f"{what} is larger than the {self.config.max_bytes}-byte limit",
+            param="image_url",
+            code="media_too_large",
+        )
+
+    def _data(self, url: str) -> bytes:
+        payload_len = len(url) - url.find(",") - 1
+        if payload_len * 3 // 4 > self.config.max_bytes + 3:
+            raise self._too_large("the data: URL image")
+        try:
+            data = decode_data_url(url)
+        except InputError as exc:
+            raise APIError(400, str(exc), param="image_url", code="invalid_image_url") from None
+        if len(data) > self.config.max_bytes:
+            raise self._too_large("the data: URL image")
+        return data
+
+    async def _http(self, url: str) -> bytes:
+        cfg = self.config
+        try:
+            target = httpx.URL(url)
+        except (httpx.InvalidURL, ValueError) as exc:
+            raise APIError(
+                400, f"invalid image URL: {exc}", param="image_url", code="invalid_image_url"
+            ) from None
+        try:
+            async with asyncio.timeout(cfg.total_timeout):
+                for _ in range(cfg.max_redirects + 1):
+                    if target.scheme not in ("http", "https") or not target.host:
+                        raise refused(f"image redirect to {target.scheme}: URLs is not followed")
+                    async with self.client.stream("GET", target) as resp:
+                        if resp.has_redirect_location:
+                            target = resp.url.join(resp.headers["location"])
+                            continue
+                        if resp.status_code != 200:
+                            raise APIError(
+                                400,
+                                f"fetching the image from {target.host} failed: HTTP {resp.status_code}",
+                                param="image_url",
+                                code="media_fetch_failed",
+                            )
+                        declared = resp.headers.get("content-length", "")
+                        if declared.isdigit() and int(declared) > cfg.max_bytes:
+                            raise self._too_large(f"the image at {target.host}")
+                        buf = bytearray()
+                        async for chunk in resp.aiter_bytes():
+                            buf += chunk
+                            if len(buf) > cfg.max_bytes:
+                                raise self._too_large(f"the image at {target.host}")
+                        return bytes(buf)
+                raise APIError(
+                    400,
+                    f"image URL redirected more than {cfg.max_redirects} times",
+                    param="image_url",
+                    code="media_fetch_failed",
+                )
+        except (TimeoutError, httpx.TimeoutException):
+            raise APIError(
+                400,
+                f"fetching the image from {target.host} timed out",
+                param="image_url",
+                code="media_fetch_timeout",
+            ) from None
+        except httpx.HTTPError as exc:
+            raise APIError(
+                400,
+                f"fetching the image from {target.host} failed: {type(exc).__name__}: {exc}",
+                param="image_url",
+                code="media_fetch_failed",
+            ) from None
+
+    def _file(self, url: str) -> bytes:
+        root = self.config.allowed_local_path
+        if root is None:
+            raise refused("file: image URLs are disabled (start the server with --allowed-local-media-path)")
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise refused("file: image URLs must name a local path")
+        try:
+            path = Path(unquote(parts.path)).resolve(strict=True)
+        except (OSError, RuntimeError, ValueError):
+            raise APIError(
+                400, "image file not found", param="image_url", code="media_fetch_failed"
+            ) from None
+        if not path.is_relative_to(root):
+            raise refused("image file is outside --allowed-local-media-path")
+        try:
+            # O_NONBLOCK: opening a FIFO must not hang the worker; the fstat below refuses it.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            raise APIError(
+                400, "image file cannot be opened", param="image_url", code="media_fetch_failed"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            proc = f"/proc/self/fd/{fd}"
+            # The file opened must still be inside the root (a directory swapped for a symlink after resolve()).
+            if os.path.exists(proc) and not Path(os.readlink(proc)).is_relative_to(root):
+                raise refused("image file is outside --allowed-local-media-path")
+            if not stat.S_ISREG(st.st_mode):
+                raise refused("image path is not a regular file")
+            if st.st_size > self.config.max_bytes:
+                raise self._too_large("the image file")
+            data = f.read(self.config.max_bytes + 1)
+        if len(data) > self.config.max_bytes:
+            raise self._too_large("the image file")
+        return data

@@ -1,0 +1,158 @@
+"""The OpenAI chat-completions wire format: what a request may carry, and what a response looks like."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# NOTE: strict — "2" is not an integer and true is not a number, as in the OpenAI API; unknown fields
+# are ignored, as vLLM does, so clients that send extra OpenAI options keep working.
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(BaseModel):
+    model_config = _STRICT
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+class ImagePart(BaseModel):
+    model_config = _STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL | Annotated[str, Field(min_length=1)]
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class Message(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_engine(self) -> dict:
+        """The message as the engine's chat processing takes it; image parts keep their URL and detail."""
+        role = "system" if self.role == "developer" else self.role
+        if not isinstance(self.content, list):
+            return {"role": role, "content": self.content or ""}
+        parts: list[dict] = []
+        for part in self.content:
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            else:
+                spec = part.image_url
+                url, detail = (spec, "auto") if isinstance(spec, str) else (spec.url, spec.detail)
+                parts.append({"type": "image_url", "image_url": {"url": url, "detail": detail}})
+        return {"role": role, "content": parts}
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None  # optional, as in vLLM: the served model by default
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        None, ge=-1, description="vLLM extension: sample among the k likeliest; -1 or 0: off"
+    )
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    user: str | None = None
+    # Accepted so that clients sending the OpenAI defaults work; anything else is refused with a 400.
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logprobs: bool | None = None
+    # vLLM extensions.
+    ignore_eos: bool = False
+    return_token_ids: bool = Field(
+        False, description="vLLM extension: add prompt_token_ids and per-choice token_ids to the response"
+    )
+
+
+# ---------------------------------------------------------------- responses (also the OpenAPI schema)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+    image_tokens: int
+    text_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    visual_tokens: list[int] = Field(
+        description="vlmserve extension: visual tokens per image, in prompt order"
+    )
+    visual_levels: list[int] = Field(
+        description="vlmserve extension: visual budget level per image (0 = full resolution; higher: fewer pixels)"
+    )
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class Choice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "vlmserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail

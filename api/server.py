@@ -1,0 +1,184 @@
+"""The FastAPI app: routes, auth, client-disconnect handling, lifespan; and the uvicorn runner."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, suppress
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from api.async_engine import AsyncEngine
+from api.chat import ChatService, visual_level_header
+from api.config import ServerArgs
+from api.errors import APIError, install_error_handlers
+from api.media import MediaFetcher
+from api.metrics import ServerMetrics
+from api.protocol import ChatCompletion, ChatCompletionRequest, ErrorBody, ModelCard, ModelList
+from cache.metrics import EmbeddingCacheCollector
+from encoder.metrics import VisionPathCollector
+from lm_engine.engine import LLMEngine
+
+log = logging.getLogger("vlmserve.api")
+
+CHAT_PATH = "/v1/chat/completions"
+_BEARER = HTTPBearer(auto_error=False)
+_ERRORS = {code: {"model": ErrorBody} for code in (400, 401, 404, 413, 500, 503)}
+
+
+class _BodyLimit:
+    """Requests over ``max_bytes`` get a 413 with the OpenAI error body: at once when Content-Length says
+    so, else when the count of bytes read passes it (the route then fails with the 413)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"request body is larger than {self.max_bytes} bytes"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await APIError(413, message, code="request_too_large").response()(scope, receive, send)
+        total = 0
+
+        async def counted():
+            nonlocal total
+            msg = await receive()
+            total += len(msg.get("body", b""))
+            if total > self.max_bytes:
+                # NOTE: FastAPI re-raises Starlette HTTPExceptions from body reading; the handler answers it.
+                raise StarletteHTTPException(413, message)
+            return msg
+
+        await self.app(scope, counted, send)
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the client hanging up.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work):
+    """Run ``work`` until it finishes or the client disconnects, which cancels it (and so aborts its engine
+    request) and returns None. Starlette's StreamingResponse does the same for a stream once it started."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
+    """The server app; builds the engine from ``args.engine`` unless one is given."""
+    engine = engine or LLMEngine(args.engine)
+    async_engine = AsyncEngine(engine)
+    media = MediaFetcher(args.media)
+    metrics = ServerMetrics(lambda: async_engine.stats)
+    metrics.register(EmbeddingCacheCollector(engine.embedding_cache))  # its stats() is thread-safe
+    metrics.register(VisionPathCollector(engine.vision, engine.preprocess_pool))
+    executor = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix="vlmserve-prompt")
+    chat = ChatService(args, async_engine, media, metrics, executor)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await media.aclose()
+            await asyncio.to_thread(async_engine.shutdown)
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="vlmserve",
+        summary="OpenAI-compatible serving of vision-language models",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.add_middleware(_BodyLimit, max_bytes=args.max_request_bytes)
+    app.state.engine = async_engine
+    app.state.metrics = metrics  # app.state.metrics.register(collector) adds a stage's collector
+
+    def count_error(request: Request, status: int) -> None:
+        if request.url.path == CHAT_PATH:
+            metrics.count_error(status)
+
+    install_error_handlers(app, count_error)
+
+    async def check_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
+        if args.api_key is None:
+            return
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), args.api_key.encode()):
+            raise APIError(
+                401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key"
+            )
+
+    @app.post(
+        CHAT_PATH,
+        response_model=ChatCompletion,
+        response_model_exclude_unset=True,  # extension fields appear only when asked for
+        responses=_ERRORS,
+        dependencies=[Depends(check_key)],
+    )
+    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response):
+        """Chat completion; with ``stream: true`` the response is ``text/event-stream`` chunks."""
+        arrival = time.monotonic()
+        result = await cancel_on_disconnect(
+            request, chat.create(body, arrival, client_key=request.client.host if request.client else "")
+        )
+        if result is None:
+            metrics.count("aborted")
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        if isinstance(result, dict):
+            response.headers.update(visual_level_header(result["usage"]["visual_levels"]))
+        return result
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, dependencies=[Depends(check_key)])
+    async def models() -> dict:
+        card = {"created": created, "root": args.engine.model, "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [ModelCard(id=name, **card) for name in args.model_names]}
+
+    @app.get("/health", responses={503: {"model": ErrorBody}})
+    async def health() -> JSONResponse:
+        if not async_engine.alive:
+            why = f": {type(async_engine.error).__name__}: {async_engine.error}" if async_engine.error else ""
+            raise APIError(503, f"the engine is not running{why}", code="engine_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+def run_server(args: ServerArgs) -> None:
+    import uvicorn
+
+    if args.api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    app = create_app(args)
+    log.info("serving %s as %r on http://%s:%d", args.engine.model, args.model_names[0], args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

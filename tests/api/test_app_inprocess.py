@@ -1,0 +1,254 @@
+"""The app in-process (no sockets beyond the test client): API key, engine faults, and the media policy."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.config import ServerArgs, parse_limit_mm
+from api.media import MediaConfig
+from api.server import create_app
+from api.ssrf import AddressGuard, is_public_address
+from lm_engine import LLMEngine
+from lm_engine.config import EngineConfig
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+
+def make_client(ckpt, engine_kw: dict | None = None, **server_kw) -> TestClient:
+    args = ServerArgs(
+        engine=EngineConfig(model=str(ckpt), num_kv_blocks=64, **(engine_kw or {})), **server_kw
+    )
+    return TestClient(create_app(args), raise_server_exceptions=False)
+
+
+def test_api_key(tiny_ckpt):
+    with make_client(tiny_ckpt, api_key="s3cret") as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            resp = client.get("/v1/models", headers=headers)
+            assert resp.status_code == 401
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+            # The key is checked before the body: a bad body without a key is still a 401.
+            assert client.post("/v1/chat/completions", content=b"{", headers=headers).status_code == 401
+        ok = {"Authorization": "Bearer s3cret"}
+        assert client.get("/v1/models", headers=ok).status_code == 200
+        assert client.post("/v1/chat/completions", json=CHAT, headers=ok).status_code == 200
+        assert client.get("/health").status_code == 200  # probes need no key
+        assert client.get("/metrics").status_code == 200
+
+
+def test_request_body_cap(tiny_ckpt):
+    with make_client(tiny_ckpt, max_request_bytes=2000) as client:
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+        resp = client.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 413
+        assert resp.json()["error"]["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: the bytes are counted as they arrive
+            body = json.dumps(big).encode()
+            for i in range(0, len(body), 1000):
+                yield body[i : i + 1000]
+
+        resp = client.post(
+            "/v1/chat/completions", content=chunked(), headers={"Content-Type": "application/json"}
+        )
+        assert resp.status_code == 413
+        assert resp.json()["error"]["code"] == "request_too_large"
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_admission_control_refusal_is_503_with_retry_after(tiny_ckpt):
+    with make_client(tiny_ckpt, {"max_queued_requests": 0}) as client:
+        resp = client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "overloaded"
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert 'vlmserve_requests_total{status="unavailable"} 1.0' in client.get("/metrics").text
+        assert client.get("/health").status_code == 200
+
+
+def test_engine_step_failure_fails_the_request_and_keeps_serving(tiny_ckpt):
+    with make_client(tiny_ckpt) as client:
+        engine = client.app.state.engine.engine
+        real_step = engine.step
+        calls = {"n": 0}
+
+        def flaky_step():
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("simulated kernel fault")
+            return real_step()
+
+        engine.step = flaky_step
+        resp = client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 500
+        assert resp.json()["error"] == {
+            "message": "the engine failed while running this request: RuntimeError",
+            "type": "server_error",
+            "param": None,
+            "code": "engine_error",
+        }
+        # Its blocks were freed, the invariants hold, and the next request is served.
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert client.get("/health").status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'vlmserve_requests_total{status="server_error"} 1.0' in metrics
+        assert "vlmserve_kv_cache_blocks_free 64.0" in metrics
+
+
+def test_engine_thread_death_turns_health_not_ready(tiny_ckpt):
+    with make_client(tiny_ckpt) as client:
+        engine = client.app.state.engine.engine
+
+        def broken_step():
+            raise RuntimeError("simulated fault")
+
+        def broken_invariants():
+            raise AssertionError("simulated corrupt block table")
+
+        engine.step = broken_step
+        engine.check_integrity = broken_invariants
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 500
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["code"] == "engine_unavailable"
+        resp = client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 503
+        assert "vlmserve_engine_alive 0.0" in client.get("/metrics").text
+
+
+def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt):
+    with make_client(tiny_ckpt) as client:
+        engine = client.app.state.engine.engine
+        real_step = engine.step
+        calls = {"n": 0}
+
+        def step_failing_mid_stream():
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("simulated fault")
+            return real_step()
+
+        engine.step = step_failing_mid_stream
+        resp = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+        assert resp.status_code == 200
+        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert '"code":"engine_error"' in events[-2]
+
+
+@pytest.mark.parametrize(
+    "address, public",
+    [
+        ("8.8.8.8", True),
+        ("2001:4860:4860::8888", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("172.16.0.1", False),
+        ("192.168.0.1", False),
+        ("100.64.0.1", False),  # carrier-grade NAT
+        ("169.254.169.254", False),
+        ("100.100.100.200", False),
+        ("0.0.0.0", False),
+        ("224.0.0.1", False),
+        ("255.255.255.255", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fd00:ec2::254", False),
+        ("::ffff:10.0.0.1", False),  # IPv4-mapped
+        ("2002:a00:1::1", False),  # 6to4 of 10.0.0.1
+        ("64:ff9b::a00:1", False),  # NAT64 of 10.0.0.1
+        ("64:ff9b::808:808", True),  # NAT64 of 8.8.8.8
+    ],
+)
+def test_public_address_policy(address, public):
+    assert is_public_address(ipaddress.ip_address(address)) is public
+
+
+@pytest.mark.parametrize(
+    "guard, host, allowed",
+    [
+        (AddressGuard(), "127.0.0.1", False),
+        (AddressGuard(), "10.0.0.1", False),
+        (AddressGuard(allow_private=True), "10.0.0.1", True),
+        (AddressGuard(frozenset({"10.0.0.1"})), "10.0.0.1", True),
+        (AddressGuard(frozenset({"10.0.0.2"})), "10.0.0.1", False),
+        (AddressGuard(), "2130706433", False),  # 127.0.0.1 in a legacy numeric form
+    ],
+)
+def test_address_guard(guard, host, allowed):
+    """Numeric hosts only: resolving them is a parse, no lookup leaves the machine."""
+    import asyncio
+
+    from api.errors import APIError
+
+    if allowed:
+        assert asyncio.run(guard.resolve(host, 80)) == [host]
+    else:
+        with pytest.raises(APIError) as exc:
+            asyncio.run(guard.resolve(host, 80))
+        assert exc.value.code == "media_url_forbidden"
+
+
+def test_limit_mm_per_prompt_parsing():
+    assert parse_limit_mm("image=4") == {"image": 4}
+    assert parse_limit_mm("image=4,video=0") == {"image": 4, "video": 0}
+    assert parse_limit_mm('{"image": 2}') == {"image": 2}
+    for bad in ("image", "image=-1", '{"image": true}', "pixels=3", "[1]"):
+        with pytest.raises(ValueError):
+            parse_limit_mm(bad)
+
+
+def test_allowed_local_media_path_must_be_a_directory(tmp_path):
+    with pytest.raises(ValueError):
+        MediaConfig(allowed_local_path=tmp_path / "missing")
+    assert MediaConfig(allowed_local_path=tmp_path).allowed_local_path == tmp_path.resolve()
+
+
+def test_given_engine_is_used(tiny_ckpt):
+    engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), num_kv_blocks=32))
+    app = create_app(ServerArgs(engine=engine.config, served_model_names=["a", "b"]), engine=engine)
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
+        assert client.post("/v1/chat/completions", json={**CHAT, "model": "b"}).json()["model"] == "b"
+        assert "vlmserve_kv_cache_blocks_total 32.0" in client.get("/metrics").text
+
+
+def test_unread_outputs_merge_their_deltas():
+    """A slow reader gets one output carrying every delta it missed (memory O(tokens), not O(tokens²))."""
+    import asyncio
+
+    from api.async_engine import RequestStream
+    from lm_engine.outputs import CompletionOutput, RequestOutput
+
+    class Owner:
+        aborted: list[str] = []
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    def out(ids: list[int], text: str, delta_ids, delta_text, finished=False):
+        c = CompletionOutput(0, ids, text, "length" if finished else None, None, delta_text, delta_ids)
+        return RequestOutput("r", [1], [c], finished)
+
+    async def main():
+        owner = Owner()
+        stream = RequestStream("r", owner)
+        stream.push(out([5], "a", [5], "a"))
+        stream.push(out([5, 6], "ab", [6], "b"))
+        stream.push(out([5, 6, 7], "abc", [7], "c", finished=True))
+        got = [o async for o in stream]
+        assert len(got) == 1
+        (c,) = got[0].outputs
+        assert (c.delta_token_ids, c.delta_text, c.token_ids) == ([5, 6, 7], "abc", [5, 6, 7])
+        stream.close()
+        assert owner.aborted == []  # finished: nothing to abort
+        unfinished = RequestStream("u", owner)
+        unfinished.push(out([5], "a", [5], "a"))
+        unfinished.close()
+        assert owner.aborted == ["u"]
+
+    asyncio.run(main())

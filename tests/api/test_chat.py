@@ -1,0 +1,289 @@
+"""Chat completions through a real server process, driven by the official `openai` client.
+
+Greedy output is checked against transformers' generate() and the offline LLM.chat, token for token:
+the request asks for the vLLM-style ``return_token_ids`` extension, so the ids compared are the ones
+the server generated, and the text is checked to be what the same tokenizer decodes from them.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from lm_engine import LLM, SamplingParams
+from tests.api.conftest import JPEG, PNG, data_url
+from tests.support import image_part, make_image
+
+MAX_NEW = 12
+
+
+def image_url_part(url: str, detail: str | None = None) -> dict:
+    spec = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return {"type": "image_url", "image_url": spec}
+
+
+def ask(*parts) -> list[dict]:
+    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
+def greedy(client, messages, **kw):
+    return client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0.0,
+        max_tokens=kw.pop("max_tokens", MAX_NEW),
+        extra_body={"return_token_ids": True, **kw.pop("extra_body", {})},
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def client(guarded_server):
+    return guarded_server.client()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_ckpt):
+    with LLM(str(tiny_ckpt), num_kv_blocks=128) as llm:
+        yield llm
+
+
+CONVERSATIONS = {
+    "one-image": (
+        ask(image_url_part(data_url(JPEG, "image/jpeg")), "What is in this picture?"),
+        ask(image_part(JPEG), "What is in this picture?"),
+    ),
+    "text-multi-turn": (
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": [{"type": "text", "text": "And another?"}]},
+        ],
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": [{"type": "text", "text": "And another?"}]},
+        ],
+    ),
+    "two-images": (
+        ask(
+            image_url_part(data_url(PNG)), "versus", image_url_part(data_url(JPEG, "image/jpeg")), "Compare."
+        ),
+        ask(image_part(PNG), "versus", image_part(JPEG), "Compare."),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_greedy_equals_transformers_and_offline(client, hf_oracle, offline, name):
+    messages, conv = CONVERSATIONS[name]
+    resp = greedy(client, messages)
+    choice = resp.choices[0]
+    hf_ids = hf_oracle.generate(conv, MAX_NEW)
+    assert choice.token_ids == hf_ids
+    off = offline.chat(conv, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0]
+    assert off.token_ids == hf_ids
+    assert choice.message.content == off.text
+    inputs = hf_oracle.inputs(conv)
+    assert resp.prompt_token_ids == inputs["input_ids"][0].tolist()
+    # Usage: prompt/completion counts and each image's visual tokens (transformers' grid / the 2x2 merge).
+    grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
+    assert resp.usage.visual_tokens == [t * h * w // 4 for t, h, w in grids]
+    details = resp.usage.prompt_tokens_details
+    assert details.image_tokens == sum(resp.usage.visual_tokens)
+    assert details.text_tokens == resp.usage.prompt_tokens - details.image_tokens
+    assert resp.usage.prompt_tokens == len(resp.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(choice.token_ids) == MAX_NEW
+    assert choice.finish_reason == "length"
+    assert resp.model == "tiny" and resp.id.startswith("chatcmpl-")
+
+
+def test_streaming_equals_non_streaming(client):
+    messages = ask(image_url_part(data_url(PNG)), "Describe it.")
+    full = greedy(client, messages)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0.0,
+        max_tokens=MAX_NEW,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )
+    text, ids, finish, usage, roles = "", [], None, None, 0
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        (c,) = chunk.choices
+        roles += c.delta.role == "assistant"
+        text += c.delta.content or ""
+        ids += c.token_ids or []
+        finish = c.finish_reason or finish
+    assert roles == 1
+    assert text == full.choices[0].message.content
+    assert ids == full.choices[0].token_ids
+    assert finish == "length"
+    assert usage.completion_tokens == MAX_NEW and usage.prompt_tokens == full.usage.prompt_tokens
+    assert usage.visual_tokens == full.usage.visual_tokens
+
+
+def test_http_image_equals_same_bytes_inline(client, image_server):
+    before = image_server.hits["/img.png"]
+    by_url = greedy(client, ask(image_url_part(image_server.url("/img.png")), "What is it?"))
+    inline = greedy(client, ask(image_url_part(data_url(PNG)), "What is it?"))
+    assert image_server.hits["/img.png"] == before + 1
+    assert by_url.choices[0].token_ids == inline.choices[0].token_ids
+    assert by_url.usage.visual_tokens == inline.usage.visual_tokens
+
+
+def test_file_url_under_allowed_path(client, guarded_server):
+    (guarded_server.media_dir / "page.png").write_bytes(PNG)
+    by_file = greedy(client, ask(image_url_part(f"file://{guarded_server.media_dir}/page.png"), "Read it."))
+    inline = greedy(client, ask(image_url_part(data_url(PNG)), "Read it."))
+    assert by_file.choices[0].token_ids == inline.choices[0].token_ids
+
+
+def test_two_images_in_one_message(client, hf_oracle, image_server):
+    messages = ask(
+        image_url_part(data_url(JPEG, "image/jpeg"), "high"),
+        "and",
+        {"type": "image_url", "image_url": image_server.url("/img.png")},  # the plain-string form
+        "Compare them.",
+    )
+    resp = greedy(client, messages)
+    conv = ask(image_part(JPEG), "and", image_part(PNG), "Compare them.")
+    grids = hf_oracle.inputs(conv)["image_grid_thw"].tolist()
+    assert resp.usage.visual_tokens == [t * h * w // 4 for t, h, w in grids]
+    assert resp.choices[0].token_ids == hf_oracle.generate(conv, MAX_NEW)
+
+
+def test_detail_sets_the_visual_budget(guarded_server):
+    """detail=low always gets the lowest visual budget level; high the full one (reported per image)."""
+    big = make_image(640, 480, 23, "JPEG")
+    body = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": ask(
+            image_url_part(data_url(big, "image/jpeg"), "low"),
+            image_url_part(data_url(big, "image/jpeg"), "high"),
+        ),
+    }
+    resp = guarded_server.post_chat(body)
+    assert resp.status_code == 200
+    usage = resp.json()["usage"]
+    low, high = usage["visual_tokens"]
+    assert low < high
+    assert usage["visual_levels"][0] > 0 and usage["visual_levels"][1] == 0
+    assert resp.headers["X-Visual-Budget-Levels"] == ",".join(map(str, usage["visual_levels"]))
+
+
+def test_n2_sampled_choices(client):
+    messages = ask("Tell me a story.")
+    resp = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, temperature=1.0, max_tokens=16, seed=7
+    )
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.choices[0].message.content != resp.choices[1].message.content
+    assert resp.usage.completion_tokens == 32
+    # Streaming n=2 with the same seed gives the same two texts.
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, n=2, temperature=1.0, max_tokens=16, seed=7, stream=True
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in resp.choices]
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return (
+            client.chat.completions.create(
+                model="tiny",
+                messages=ask("Say something."),
+                temperature=1.0,
+                top_p=0.95,
+                max_tokens=16,
+                seed=seed,
+            )
+            .choices[0]
+            .message.content
+        )
+
+    a, b, c = sample(1234), sample(1234), sample(4321)
+    assert a == b
+    assert a != c
+
+
+def test_top_k_one_is_greedy(client):
+    messages = ask("Count to five.")
+    greedy_text = greedy(client, messages).choices[0].message.content
+    top1 = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=1.0, max_tokens=MAX_NEW, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].message.content == greedy_text
+
+
+def test_stop_strings(client):
+    messages = ask("Write a long sentence about the sea and the wind.")
+    full = greedy(client, messages, max_tokens=24).choices[0].message.content
+    stop = full[6:9]
+    expected = full[: full.find(stop)]
+    for stop_arg in (stop, [stop, "\x00never"]):
+        resp = greedy(client, messages, max_tokens=24, stop=stop_arg)
+        assert resp.choices[0].message.content == expected
+        assert resp.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0.0, max_tokens=24, stop=[stop], stream=True
+    )
+    text, finish = "", None
+    for chunk in streamed:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == expected and finish == "stop"
+
+
+def test_cached_tokens_on_repeated_prompt(client, guarded_server):
+    # A unique prompt: only the shared chat-template prefix can be cached the first time.
+    messages = ask(image_url_part(data_url(PNG)), f"Session {uuid.uuid4().hex}: what do you see here?")
+    first = greedy(client, messages)
+    second = greedy(client, messages)
+    p = first.usage.prompt_tokens
+    cached1 = first.usage.prompt_tokens_details.cached_tokens
+    cached2 = second.usage.prompt_tokens_details.cached_tokens
+    assert cached2 > cached1
+    assert cached2 >= p - 16  # all full blocks but the last (16-token blocks)
+    assert second.choices[0].token_ids == first.choices[0].token_ids
+    m = guarded_server.metrics()
+    assert m["vlmserve_prefix_cache_hits_total"] > 0
+
+
+def test_models_health_and_metrics(client, guarded_server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert guarded_server.http.get("/health").json() == {"status": "ok"}
+    m = guarded_server.wait_idle()
+    for name in (
+        "vlmserve_time_to_first_token_seconds_count",
+        "vlmserve_time_per_output_token_seconds_count",
+        "vlmserve_e2e_request_latency_seconds_count",
+    ):
+        assert m[name] > 0, name
+    assert m["vlmserve_requests_total{status=ok}"] > 0
+    assert m["vlmserve_kv_cache_blocks_total"] == 256
+    assert 0 < m["vlmserve_prefix_cache_hit_rate"] < 1
+    assert m["vlmserve_engine_alive"] == 1
+    assert m["vlmserve_visual_budget_level"] == 0  # --visual-budget fixed
+    # The embedding cache's own collector: repeated images were served from it.
+    assert m["vlmserve_embedding_cache_hits_total{tier=memory}"] > 0
+    # The vision path's collector: images went through the batched encoder.
+    assert m["vlmserve_encoder_images_total"] > 0 and m["vlmserve_encoder_batches_total"] > 0
+    assert m["vlmserve_encoder_batch_images_count"] > 0
