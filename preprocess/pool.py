@@ -91,7 +91,10 @@ class PreprocessPool:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._arena_bases = (f"vlmpp_{os.getpid()}_{os.urandom(4).hex()}_{i}" for i in itertools.count())
+        self._arena_prefix = f"vlmpp_{os.getpid()}_{os.urandom(4).hex()}"
+        # NOTE: itertools.count, not a generator: worker threads (re)start concurrently, and a
+        # generator raises "already executing" when two threads step it at once.
+        self._arena_ids = itertools.count()
         self._workers = [_Worker(self, i) for i in range(self.num_workers)]
         for w in self._workers:
             w.thread.start()
@@ -271,7 +274,7 @@ class _Worker:
         self.arena_base, self.arena_generation = "", 0
 
     def _start(self) -> None:
-        base = next(self.pool._arena_bases)
+        base = f"{self.pool._arena_prefix}_{next(self.pool._arena_ids)}"
         parent_conn, child_conn = self.pool._ctx.Pipe(duplex=True)
         proc = self.pool._ctx.Process(
             target=worker_main,
