@@ -1,4 +1,4 @@
-"""The ``vlmserve`` command: serve, demo, make-model."""
+"""The ``vlmserve`` command: serve, batch, demo, make-model."""
 
 from __future__ import annotations
 
@@ -121,21 +121,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
-    )
-    p.add_argument("--port", type=int, default=8000)
+def _add_media_args(p: argparse.ArgumentParser) -> None:
+    """What a request may carry and where its images may come from (serve and batch alike)."""
     p.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
         help="name(s) clients use in 'model' (default: the model path)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("VLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)",
     )
     p.add_argument(
         "--limit-mm-per-prompt",
@@ -146,7 +138,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allowed-local-media-path",
         default=None,
-        help="serve file:// image URLs from under this directory only",
+        help="serve file:// image URLs from under this directory only (default: file:// refused)",
     )
     p.add_argument(
         "--allowed-media-domains",
@@ -166,6 +158,39 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_READ_TIMEOUT,
         help="read timeout (s) for image URLs",
     )
+
+
+def _media_config(args: argparse.Namespace) -> MediaConfig:
+    return MediaConfig(
+        max_bytes=args.max_media_bytes,
+        read_timeout=args.media_fetch_timeout,
+        allowed_domains=frozenset(args.allowed_media_domains),
+        allow_private=args.allow_private_media,
+        allowed_local_path=args.allowed_local_media_path,
+    )
+
+
+def _default_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The checkpoint to load and the names clients may use for it (the demo model without --model)."""
+    if args.model is not None:
+        return args.model, args.served_model_name or []
+    from lm_engine.models.demo import demo_checkpoint
+
+    print("no --model given: using the demo checkpoint (random weights, generated once)", flush=True)
+    return str(demo_checkpoint()), args.served_model_name or ["vlmserve-demo"]
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLMSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)",
+    )
+    _add_media_args(p)
     p.add_argument(
         "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -189,12 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
     from lm_engine.config import EngineConfig
 
-    model = args.model
-    if model is None:
-        from lm_engine.models.demo import demo_checkpoint
-
-        print("no --model given: serving the demo checkpoint (random weights, generated once)", flush=True)
-        model = str(demo_checkpoint())
+    model, names = _default_model(args)
     server_args = ServerArgs(
         engine=EngineConfig(
             model=model,
@@ -206,19 +226,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ),
         host=args.host,
         port=args.port,
-        served_model_names=args.served_model_name or ([] if args.model else ["vlmserve-demo"]),
+        served_model_names=names,
         api_key=args.api_key or None,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
-        media=MediaConfig(
-            max_bytes=args.max_media_bytes,
-            read_timeout=args.media_fetch_timeout,
-            allowed_domains=frozenset(args.allowed_media_domains),
-            allow_private=args.allow_private_media,
-            allowed_local_path=args.allowed_local_media_path,
-        ),
+        media=_media_config(args),
         log_level=args.uvicorn_log_level,
     )
     run_server(server_args)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """OpenAI batch file in, batch output out, on the engine in this process (see api/batch.py)."""
+    from api.batch import BatchOptions, run_batch
+    from lm_engine.config import EngineConfig
+    from lm_engine.engine import LLMEngine
+
+    if not os.path.isfile(args.input):
+        print(f"vlmserve batch: no such input file: {args.input}", file=sys.stderr)
+        return 2
+    options = BatchOptions(
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        media=_media_config(args),
+        max_in_flight=args.max_in_flight,
+        progress=not args.disable_progress_bar,
+    )
+    model, options.served_model_names = _default_model(args)
+    engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
+    try:
+        summary = run_batch(engine, args.input, args.output, options)
+    finally:
+        engine.close()
+    print(summary.report())
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary.as_dict(), f, indent=2)
     return 0
 
 
@@ -236,6 +278,28 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     _add_server_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "batch",
+        help="OpenAI batch file (JSONL of chat requests) in, results (JSONL, input order) out, offline",
+        description="Runs every line of INPUT (OpenAI batch lines: custom_id, method POST, url "
+        "/v1/chat/completions, body) on the engine in this process and writes one record per line to OUTPUT, "
+        "in input order. Lines about the same image run back to back so its embedding and prefix stay cached. "
+        "file:// image URLs are refused unless --allowed-local-media-path names their directory.",
+    )
+    p.add_argument("input", help="batch input file (.jsonl)")
+    p.add_argument("output", help="where to write the results (.jsonl; replaced when the run completes)")
+    _add_engine_args(p)
+    _add_media_args(p)
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="lines being prepared or run at once, which bounds memory (default: 2 x --max-num-seqs)",
+    )
+    p.add_argument("--disable-progress-bar", action="store_true")
+    p.add_argument("--summary-json", default=None, help="also write the run's summary here, as JSON")
+    p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("demo", help="offline generation on the (demo) model")
     _add_engine_args(p)
