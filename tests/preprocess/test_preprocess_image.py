@@ -63,6 +63,23 @@ def test_max_pixels_matches_transformers(max_pixels, make_image, config, hf_refe
     assert ours.grid_thw == plan_grid(probe(data), config, max_pixels)
 
 
+@pytest.mark.parametrize("resample", ["bicubic", "bilinear", "nearest", "lanczos"])
+def test_torchvision_backend_is_bit_identical(resample, hf_reference):
+    """Not just within TOL: we hand torch a channels-last view where transformers passes a
+    contiguous batch, and rely on torch's uint8 kernels computing the same integers either way.
+    Noise-heavy pixels, odd sizes, down- and upscaling, so any rounding difference would show."""
+    config = PreprocessConfig(resample=resample)
+    rng = np.random.default_rng(11)
+    for width, height, max_pixels in [(1283, 977, None), (517, 333, 28 * 28 * 64), (61, 97, None)]:
+        noisy = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(noisy).save(buf, "PNG")
+        ours = preprocess(buf.getvalue(), config, max_pixels)
+        pixel_values, grid = hf_reference(buf.getvalue(), config, max_pixels)
+        assert ours.grid_thw == grid
+        assert np.array_equal(ours.patches, pixel_values), (width, height, resample)
+
+
 @pytest.mark.parametrize("orientation", [3, 6, 8, 5])
 def test_exif_orientation_matches_transposed_reference(orientation, make_image, config, hf_reference):
     data = make_image("jpeg", 400, 240, seed=4, orientation=orientation)

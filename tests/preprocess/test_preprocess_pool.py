@@ -15,8 +15,9 @@ from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, Prepro
 FAULT = b"\x00VLMSERVE-TEST-FAULT:"
 
 
-def _our_segments() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("vlmpp_")}
+def _our_segments(pool: PreprocessPool) -> set[str]:
+    # NOTE: only this pool's segments: other pools on the machine (a server, a benchmark) have their own.
+    return {name for name in os.listdir("/dev/shm") if name.startswith(pool._arena_prefix + "_")}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def pool():
     with PreprocessPool(2, _fault_prefix=FAULT) as p:
         assert p.wait_ready(120)
         yield p
-    assert not _our_segments()
+    assert not _our_segments(p)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_shared_memory_is_bounded_and_cleaned_up(pool, images, config):
     for budget in (28 * 28 * 16, None, 2048 * 2048):
         for data in images:
             pool.run(data, config, budget)
-    live = _our_segments()
+    live = _our_segments(pool)
     assert 0 < len(live) <= pool.num_workers  # one arena per worker, nothing per request
     with pytest.raises(PreprocessError):
         pool.run(images[0][:500], config)  # truncated: fails inside the worker
@@ -94,7 +95,7 @@ def test_shared_memory_is_bounded_and_cleaned_up(pool, images, config):
     # the parent must find and unlink it, and the dead worker's old arena too.
     with pytest.raises(PreprocessWorkerError):
         pool.run(FAULT + b"late-exit", config)
-    after = _our_segments()
+    after = _our_segments(pool)
     assert after < live, (after, live)
     assert pool.run(images[1], config).grid_thw == preprocess(images[1], config).grid_thw
 
