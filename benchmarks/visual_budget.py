@@ -296,7 +296,9 @@ def main_run(args: argparse.Namespace) -> int:
             "cpu": meter.result,
             "level_timeline": [[round(x[0], 3), *x[1:]] for x in samples],
         }
-        results.append(load.RunResult(NamedMode(budget, res.mode), res.records, res.planned, res.duration_s))
+        named = NamedMode(budget, res.mode)
+        named.rate = None  # both runs share one rate: no goodput-against-rate plot
+        results.append(load.RunResult(named, res.records, res.planned, res.duration_s))
         summaries.append(s)
         recs[budget] = res.records
 
