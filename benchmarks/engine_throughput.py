@@ -185,6 +185,7 @@ def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Resul
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model),
+        dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.prefix_caching,
@@ -233,11 +234,11 @@ def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Resul
 
 
 class HFRunner:
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, dtype: torch.dtype) -> None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(model))
-        self.model = AutoModelForImageTextToText.from_pretrained(str(model), dtype=torch.bfloat16).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(str(model), dtype=dtype).eval()
 
     def inputs(self, convs: list[list[dict]]):
         texts, images = [], []
@@ -340,6 +341,21 @@ def print_table(results: list[Result], n_requests: int, out_tokens: int) -> None
         )
 
 
+def print_agreement(results: list[Result]) -> None:
+    """Greedy outputs, engine vs transformers one at a time; padded batches vs one at a time for scale."""
+    single = next((r for r in results if r.name == "hf single"), None)
+    if single is None:
+        return
+    n = len(single.outputs)
+    print()
+    for r in results:
+        if r is not single:
+            same, frac = agreement(r.outputs, single.outputs)
+            print(
+                f"greedy agreement, {r.name} vs hf single: {same}/{n} identical, common prefix {100 * frac:.0f}%"
+            )
+
+
 def print_split(eng: Result, timer: StageTimer, side: str) -> None:
     print(
         f"engine time split ({eng.wall_s:.1f} s wall of the timed chat() call, {timer.calls['steps']} steps):"
@@ -368,12 +384,16 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="8,16", help="transformers padded batch sizes")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, all modes")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (the checkpoint's bf16) or float32: greedy outputs then agree"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     parser.add_argument("--skip-hf-single", action="store_true", help="the slowest mode; skip when iterating")
+    parser.add_argument("--engine-only", action="store_true", help="no transformers modes (profiling)")
     parser.add_argument(
-        "--wait-idle", type=float, default=300, help="max seconds to wait for a quiet machine"
+        "--wait-idle", type=float, default=300, help="max seconds to wait for a quiet machine per mode"
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 8 requests × 16 tokens, batch 8")
     args = parser.parse_args()
@@ -392,7 +412,10 @@ def main() -> None:
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers {transformers.__version__}"
     )
-    print(f"{model}: {len(convs)} requests ({n_img} images), {args.output_tokens} output tokens each, greedy")
+    print(
+        f"{model} ({args.dtype}): {len(convs)} requests ({n_img} images), "
+        f"{args.output_tokens} output tokens each, greedy"
+    )
 
     print("engine …", flush=True)
     eng, timer, side = run_engine(model, convs, args.output_tokens, args, warmup)
@@ -403,32 +426,27 @@ def main() -> None:
     visual = sum(p.count(image_token) for p in eng.prompt_ids)
     print(f"  prompts: {sum(lengths)} tokens ({visual} visual), {min(lengths)}–{max(lengths)} per request")
 
-    hf = HFRunner(model)
-    for conv in warmup:  # lazy kernels and the allocator, as the engine's warm-up does
-        hf.generate([conv], 4)
-    modes = [] if args.skip_hf_single else [(1, None)]
-    modes += [(bs, order) for bs in batch_sizes for order in (None, lengths)]
-    for bs, order in modes:
-        print(f"hf batch {bs}{', sorted' if order else ''} …", flush=True)
-        results.append(hf.run(convs, args.output_tokens, bs, order, args.wait_idle))
-        _done(results[-1])
+    if not args.engine_only:
+        hf = HFRunner(model, torch.float32 if args.dtype in ("float32", "fp32") else torch.bfloat16)
+        for conv in warmup:  # lazy kernels and the allocator, as the engine's warm-up does
+            hf.generate([conv], 4)
+        modes = [] if args.skip_hf_single else [(1, None)]
+        modes += [(bs, order) for bs in batch_sizes for order in (None, lengths)]
+        for bs, order in modes:
+            print(f"hf batch {bs}{', sorted' if order else ''} …", flush=True)
+            results.append(hf.run(convs, args.output_tokens, bs, order, args.wait_idle))
+            _done(results[-1])
     for r in results:
         assert all(len(o) == args.output_tokens for o in r.outputs), f"{r.name}: output lengths differ"
-    same = sum(a == b for a, b in zip(eng.prompt_ids, results[-1].prompt_ids))
-    print(f"prompt token ids identical, engine vs transformers: {same}/{len(convs)}")
+    if len(results) > 1:
+        same = sum(a == b for a, b in zip(eng.prompt_ids, results[1].prompt_ids))
+        print(f"prompt token ids identical, engine vs transformers: {same}/{len(convs)}")
 
     print()
     print_table(results, len(convs), len(convs) * args.output_tokens)
     print()
     print_split(eng, timer, side)
-    print()
-    ref = next((r for r in results if r.name == "hf single"), None)
-    for r in results[1:]:
-        s, f = agreement(r.outputs, ref.outputs if ref and r is not ref else eng.outputs)
-        against = "hf single" if ref and r is not ref else "engine"
-        print(
-            f"greedy agreement {r.name} vs {against}: {s}/{len(convs)} identical, common prefix {100 * f:.0f}%"
-        )
+    print_agreement(results)
 
 
 if __name__ == "__main__":
