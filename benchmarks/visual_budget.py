@@ -331,6 +331,12 @@ def main_run(args: argparse.Namespace) -> int:
         f"{'met' if ratio is not None and min(ratio, ratio_met or 0) >= 2 else 'NOT met'}"
     )
     meters = {k: v["cpu"] for k, v in runs.items()}
+    shares = [m.get("others_share", 0.0) for m in meters.values()]
+    if len(shares) == 2 and abs(shares[0] - shares[1]) > 0.15:
+        ratio_line += (
+            f" — WARNING: the two runs saw different contention ({100 * shares[0]:.0f}% vs "
+            f"{100 * shares[1]:.0f}% of the CPUs taken by others): this ratio measures the machine, not the controller"
+        )
     print("\n" + header + "\n" + table + "\n" + ratio_line + "\n" + contention_note(meters), flush=True)
 
     mach = machine()
@@ -388,7 +394,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 10 calibration requests")
+    p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 12 calibration requests")
     p.add_argument("--preset", default="small", choices=["tiny", "small"])
     p.add_argument("--checkpoint-seed", type=int, default=0)
     p.add_argument("--model", help="serve this checkpoint directory instead of a generated preset")
@@ -400,12 +406,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
     p.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-resolution rate")
     p.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
-    p.add_argument("--calib-n", type=int, help="calibration requests (default 20; --quick 10)")
+    p.add_argument("--calib-n", type=int, help="calibration requests (default 24; --quick 12)")
     p.add_argument(
         "--calib-clients",
         type=int,
-        default=16,
-        help="calibration concurrency (closed loop; enough to saturate the batch, or the rate is underestimated)",
+        default=8,
+        help="calibration concurrency (closed loop; a short run at high concurrency ends in one bunched wave "
+        "and underestimates the rate, so keep --calib-n at 3× this or more)",
     )
     p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=500.0)
@@ -423,7 +430,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (24 if args.quick else 48)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
-    args.calib_n = args.calib_n or (10 if args.quick else 20)
+    args.calib_n = args.calib_n or (12 if args.quick else 24)
     args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if bad := set(args.budgets) - {"fixed", "adaptive"}:
