@@ -33,6 +33,11 @@ def _engine_error(exc: EngineFailure | EngineDead) -> APIError:
     return APIError(500, str(exc), code="engine_error")
 
 
+def _overloaded(exc: EngineOverloaded) -> APIError:
+    retry = str(max(1, math.ceil(exc.retry_after_s)))
+    return APIError(503, str(exc), code="overloaded", headers={"Retry-After": retry})
+
+
 def _usage(out: RequestOutput) -> dict:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
@@ -147,6 +152,11 @@ class ChatService:
     ) -> dict | StreamingResponse:
         model = self.check_model(req.model)
         params = self.sampling_params(req)
+        try:
+            # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step.
+            self.engine.check_admission()
+        except EngineOverloaded as exc:
+            raise _overloaded(exc) from None
         prompt = await prepare_prompt(
             self.engine.engine,
             [m.to_engine() for m in req.messages],
@@ -163,8 +173,7 @@ class ChatService:
         except (EngineFailure, EngineDead) as exc:
             raise _engine_error(exc) from None
         except EngineOverloaded as exc:
-            retry = str(math.ceil(exc.retry_after_s))
-            raise APIError(503, str(exc), code="overloaded", headers={"Retry-After": retry}) from None
+            raise _overloaded(exc) from None
         timing = _Timing(arrival)
         outputs = _outputs(stream, timing)
         if not req.stream:

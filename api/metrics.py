@@ -44,6 +44,14 @@ class _EngineCollector(Collector):
                 "Visual budget level new detail=auto images get (0 = full resolution; higher = fewer pixels).",
                 s.visual_level,
             ),
+            "admission_overloaded": (
+                "1 while admission control refuses new work: the lowest visual budget cannot keep the TTFT SLO.",
+                float(s.overloaded),
+            ),
+            "queue_expected_wait_seconds": (
+                "Queued prefill work (visual tokens included) over the measured prefill throughput.",
+                s.expected_wait_s,
+            ),
             "prefix_cache_hit_rate": (
                 "Prompt tokens served by the prefix cache / prompt tokens looked up, since start.",
                 s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,27 @@ from lm_engine.sampler import sample
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import Scheduler
 from lm_engine.sequence import Sequence, SequenceStatus
-from lm_engine.visual_budget import BudgetSignals, TTFTWindow, VisualBudgetController, default_ladder
+from lm_engine.visual_budget import (
+    BudgetSignals,
+    PrefillRate,
+    TTFTWindow,
+    VisualBudgetController,
+    default_ladder,
+)
 from preprocess import PreprocessConfig, PreprocessPool
 
 log = logging.getLogger("vlmserve.engine")
+
+
+def queue_refusal(
+    config: EngineConfig, queued_requests: int, queued_tokens: int, new_tokens: int = 0
+) -> str | None:
+    """Why the bounded queue refuses a request of ``new_tokens`` prompt tokens, or None if it has room."""
+    if config.max_queued_requests is not None and queued_requests >= config.max_queued_requests:
+        return f"{queued_requests} requests are already queued"
+    if config.max_queued_tokens is not None and queued_tokens + new_tokens > config.max_queued_tokens:
+        return "the queue of prompt tokens is full"
+    return None
 
 
 class EngineOverloaded(RuntimeError):
@@ -34,6 +52,23 @@ class EngineOverloaded(RuntimeError):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionState:
+    """Admission control's view of new work, published by the engine after each controller update.
+
+    NOTE: other threads (the API's event loop) read ``LLMEngine.admission`` without a lock. That is safe:
+    the engine thread only ever replaces the whole immutable snapshot with one attribute store, and a
+    reference load or store is atomic in CPython (with or without the GIL), so a reader sees one update's
+    state or the next one's, never a mix. It can be one engine step old; a refusal or an admission
+    decided on it is no less right than one decided a step earlier.
+    """
+
+    overloaded: bool = False  # even the lowest visual budget cannot serve the queue within the TTFT SLO
+    retry_after_s: float = 1.0  # the expected time to drain what is queued (≥ 1 s)
+    reason: str | None = None  # why new work is refused, when overloaded
+    expected_wait_s: float | None = None  # of the queued prefill work, None until throughput is measured
 
 
 @dataclass(slots=True)
@@ -110,6 +145,8 @@ class LLMEngine:
             enabled=config.visual_budget == "adaptive",
         )
         self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s)
+        self.prefill_rate = PrefillRate(horizon_s=5 * config.budget_dwell_s)
+        self.admission = AdmissionState()
         self.num_rejected = 0
         self.requests: dict[str, RequestState] = {}
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -121,34 +158,50 @@ class LLMEngine:
         return self.processor.process_chat(messages, budget=self.visual_budget.max_pixels)
 
     def check_admission(self, num_tokens: int = 0) -> None:
-        """Raise EngineOverloaded when new work could not be served in time (never drops admitted work)."""
-        sched, cfg = self.scheduler, self.config
-        reason = None
-        if self.visual_budget.saturated:
-            reason = "the server is at its lowest visual budget and still over its latency target"
-        elif cfg.max_queued_requests is not None and len(sched.waiting) >= cfg.max_queued_requests:
-            reason = f"{len(sched.waiting)} requests are already queued"
-        elif (
-            cfg.max_queued_tokens is not None and sched.waiting_tokens() + num_tokens > cfg.max_queued_tokens
-        ):
-            reason = "the queue of prompt tokens is full"
+        """Raise EngineOverloaded when new work could not be served in time (never drops admitted work).
+
+        The server decides this on its event loop instead (api/async_engine.py), from ``self.admission``
+        and its own queue counts, so that a refusal never waits for a step to end."""
+        sched = self.scheduler
+        state = self.admission
+        reason = state.reason if state.overloaded else None
+        reason = reason or queue_refusal(self.config, len(sched.waiting), sched.waiting_tokens(), num_tokens)
         if reason is not None:
             self.num_rejected += 1
-            raise EngineOverloaded(f"overloaded: {reason}; retry shortly", retry_after_s=self._retry_after())
+            raise EngineOverloaded(f"overloaded: {reason}; retry shortly", retry_after_s=state.retry_after_s)
 
-    def _retry_after(self) -> float:
-        tokens = self.scheduler.waiting_tokens() + sum(s.num_uncomputed for s in self.scheduler.running)
-        return max(1.0, min(30.0, tokens / max(1, self.config.max_num_batched_tokens) * 0.05))
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens (visual included) still to prefill: the work ahead of a new request."""
+        running = sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1)
+        return self.scheduler.waiting_tokens() + running
+
+    def _retry_after(self, queued_tokens: int) -> float:
+        """Whole seconds until what is queued now has been prefilled, at the measured throughput."""
+        rate = self.prefill_rate.tokens_per_s
+        if rate is None:  # nothing measured yet: a rough 50 ms per full step
+            wait = queued_tokens / max(1, self.config.max_num_batched_tokens) * 0.05
+        else:
+            wait = queued_tokens / rate
+        return float(max(1, min(60, math.ceil(wait))))
 
     def add_request(
-        self, request_id: str, prompt: PromptInputs | list[dict], params: SamplingParams, client_key: str = ""
+        self,
+        request_id: str,
+        prompt: PromptInputs | list[dict],
+        params: SamplingParams,
+        client_key: str = "",
+        *,
+        admission: bool = True,
     ) -> None:
+        """Queue a request. ``admission=False``: the caller already applied admission control (the server
+        does, before the request reaches the engine thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not isinstance(prompt, PromptInputs):
             prompt = self.process_chat(prompt)
         n_prompt = len(prompt.token_ids)
-        self.check_admission(n_prompt)
+        if admission:
+            self.check_admission(n_prompt)
         if n_prompt >= self.max_model_len:
             raise InputError(
                 f"prompt is {n_prompt} tokens; this model's context is {self.max_model_len} tokens",
@@ -185,6 +238,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
+        if not self.requests:
+            self._update_visual_budget()  # idle from here on (no step follows)
         return True
 
     def has_unfinished(self) -> bool:
@@ -192,7 +247,17 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._update_visual_budget()
+        """One step, with the visual budget controller fed the state before it and the state it left."""
+        queued, t0 = self._update_visual_budget(), time.monotonic()
+        outputs = self._step()
+        if queued >= self.config.max_num_batched_tokens:  # a step that could fill its budget
+            # NOTE: no request is added during a step, so the queue's shrinkage is the prefill it did (prefix
+            # cache hits included); a step that only waited for the encoder counts with 0 tokens.
+            self.prefill_rate.observe(queued - self._queued_prefill_tokens(), time.monotonic() - t0)
+        self._update_visual_budget()  # the engine may be idle from here on: the controller must know
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         failed = self._fail_broken_images()
         if sched.is_empty:
@@ -237,18 +302,29 @@ class LLMEngine:
             touched.setdefault(seq.request_id, self.requests[seq.request_id])
         return failed + [out for state in touched.values() if (out := self._make_output(state)) is not None]
 
-    def _update_visual_budget(self) -> None:
-        queued = self.scheduler.waiting_tokens() + sum(
-            s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1
-        )
-        self.visual_budget.update(
+    def _update_visual_budget(self) -> int:
+        """Feed the controller and publish the admission state; returns the queued prefill tokens."""
+        queued = self._queued_prefill_tokens()
+        vb = self.visual_budget
+        vb.update(
             BudgetSignals(
                 queued_tokens=queued,
                 token_budget=self.config.max_num_batched_tokens,
                 kv_usage=self.block_manager.usage(),
                 recent_ttft_s=self.ttft_window.percentile(0.9),
+                prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+                busy=bool(self.requests),
             )
         )
+        wait = vb.expected_wait_s
+        reason = None
+        if vb.saturated:
+            reason = (
+                f"even the lowest visual budget leaves {wait:.1f} s of queued work, over the "
+                f"{vb.ttft_slo_s:.1f} s time-to-first-token target"
+            )
+        self.admission = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
+        return queued
 
     def _images_ready(self, seq: Sequence) -> bool:
         """Admission gate: the images overlapping what the prefix cache cannot serve must be encoded."""

@@ -1,14 +1,23 @@
 """The visual budget controller: under load, new images get fewer visual tokens instead of waiting.
 
 Each engine step feeds it three pressures, each normalised so 1.0 means "at the limit":
-queued prefill work (tokens, visual included) against what ``drain_steps`` steps can process, KV-cache
-utilisation against ``kv_high``, and recent time-to-first-token against the SLO. Their maximum steps
-the level down a ladder of ``max_pixels`` values when it stays above ``high`` for ``dwell_s``, and back
-up when it stays below ``low`` for ``dwell_s`` (hysteresis + dwell, so it does not oscillate).
+
+- the queue: the time the queued prefill work (tokens, visual included) will take at the measured prefill
+  throughput, against the share of the TTFT SLO queueing may use (``queue_share``); before any throughput
+  is measured, the queued tokens against what ``drain_steps`` steps can process;
+- KV-cache utilisation against ``kv_high``;
+- recent time-to-first-token against the SLO (it lags: it only confirms what the queue predicted).
+
+Their maximum steps the level down a ladder of ``max_pixels`` values when it stays above ``high`` for
+``dwell_s``, and back up when it stays below ``low`` for ``dwell_s`` (hysteresis + dwell, so it does not
+oscillate). Time counts as idle only while the engine reports no work queued or running: a long step under
+load is not a quiet spell. At the lowest level, a queue whose expected wait exceeds the SLO makes the
+controller ``saturated``: new work is refused until the wait falls below ``shed_low`` × the SLO.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -17,12 +26,20 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class BudgetSignals:
-    queued_tokens: int  # uncomputed prompt tokens of waiting + prefilling requests
+    queued_tokens: int  # uncomputed prompt tokens (visual included) of waiting + prefilling requests
     token_budget: int  # max_num_batched_tokens
     kv_usage: float  # 0..1
-    recent_ttft_s: (
-        float | None
-    )  # a high percentile of recent TTFTs, None when none yet (counts only with a queue)
+    # A high percentile of recent TTFTs, None when none yet (counts only with a queue).
+    recent_ttft_s: float | None
+    prefill_tokens_per_s: float | None = None  # measured prefill throughput, None before any was measured
+    busy: bool = True  # work is queued or running; False once the engine has nothing left to do
+
+    @property
+    def expected_wait_s(self) -> float | None:
+        """How long the queued prefill work takes at the measured throughput (None: not measured yet)."""
+        if not self.prefill_tokens_per_s:
+            return None
+        return self.queued_tokens / self.prefill_tokens_per_s
 
 
 @dataclass(slots=True)
@@ -32,16 +49,20 @@ class VisualBudgetController:
     high: float = 1.0
     low: float = 0.5
     dwell_s: float = 1.0
-    drain_steps: int = 8
+    queue_share: float = 0.5  # of the TTFT SLO, what queueing may take (the rest: preprocessing, own prefill)
+    drain_steps: int = 8  # the token-based queue pressure's horizon, before any throughput is measured
     kv_high: float = 0.9
+    shed_low: float = 0.75  # saturated until the expected wait falls below this share of the SLO
     enabled: bool = True
     clock: Callable[[], float] = time.monotonic
     level: int = 0
     pressure: float = 0.0
+    expected_wait_s: float | None = None  # of the queue at the last update
     _above_since: float | None = None
     _below_since: float | None = None
     _changed_at: float = field(default=float("-inf"))
-    _last_update: float | None = None  # the last update(); a long gap means the engine sat idle
+    _idle_since: float | None = None  # set by an update reporting no work; cleared by one reporting work
+    _saturated: bool = False
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, level) on each change
 
     def __post_init__(self) -> None:
@@ -53,6 +74,8 @@ class VisualBudgetController:
             raise ValueError(f"the max_pixels ladder must be positive and descending, got {self.ladder}")
         if not 0 <= self.low < self.high:
             raise ValueError("need 0 <= low < high")
+        if not 0 < self.shed_low <= 1 or not 0 < self.queue_share <= 1:
+            raise ValueError("need 0 < shed_low <= 1 and 0 < queue_share <= 1")
 
     @property
     def lowest(self) -> int:
@@ -69,16 +92,20 @@ class VisualBudgetController:
             return 0
         return self._effective_level()
 
-    def _idle_for(self) -> float:
-        return 0.0 if self._last_update is None else self.clock() - self._last_update
-
     def _effective_level(self) -> int:
-        """The level, read without an update: an engine idle for whole dwells has had no pressure."""
-        idle = self._idle_for()
-        return max(0, self.level - int(idle / self.dwell_s)) if idle >= self.dwell_s else self.level
+        """The level, read without an update: an idle engine is not updated, and each whole dwell it has
+        spent with nothing queued or running counts as a dwell without pressure."""
+        since = self._idle_since
+        if since is None:
+            return self.level
+        return max(0, self.level - int((self.clock() - since) / self.dwell_s))
 
     def compute_pressure(self, s: BudgetSignals) -> float:
-        queue = s.queued_tokens / max(1, s.token_budget * self.drain_steps)
+        wait = s.expected_wait_s
+        if wait is not None:
+            queue = wait / (self.ttft_slo_s * self.queue_share)
+        else:
+            queue = s.queued_tokens / max(1, s.token_budget * self.drain_steps)
         kv = s.kv_usage / self.kv_high
         # NOTE: TTFT lags; once nothing is queued, a slow burst that just ended is no reason to stay low.
         ttft = s.recent_ttft_s / self.ttft_slo_s if s.recent_ttft_s is not None and s.queued_tokens else 0.0
@@ -87,12 +114,19 @@ class VisualBudgetController:
     def update(self, signals: BudgetSignals) -> int:
         """Feed one step's signals; returns the (possibly new) level."""
         now = self.clock()
-        if self.enabled and self._idle_for() >= self.dwell_s:
-            # NOTE: an idle engine is not updated; a whole quiet spell counts as time without pressure.
-            self._above_since = self._below_since = None
+        self.expected_wait_s = signals.expected_wait_s
+        if not signals.busy:
+            # NOTE: the engine stops updating while idle; _effective_level counts the quiet spell from here.
+            self.pressure, self._saturated = 0.0, False
+            if self._idle_since is None:
+                self._idle_since = now
+                self._above_since = None
+                self._below_since = self._below_since or now
+            return self._effective_level()
+        if self._idle_since is not None:
             if (level := self._effective_level()) != self.level:
                 self._set(level, now)
-        self._last_update = now
+            self._idle_since = None
         p = self.pressure = self.compute_pressure(signals)
         if not self.enabled:
             return self.level
@@ -115,23 +149,28 @@ class VisualBudgetController:
             and now - self._below_since >= self.dwell_s
         ):
             self._set(self.level - 1, now)
+        self._saturated = self._shed(signals.expected_wait_s)
         return self.level
+
+    def _shed(self, wait: float | None) -> bool:
+        if self.level < self.lowest or wait is None:
+            return False
+        if wait > self.ttft_slo_s:
+            return True
+        return self._saturated and wait >= self.shed_low * self.ttft_slo_s
 
     @property
     def saturated(self) -> bool:
-        """At the lowest level and still over pressure for a whole dwell: shedding is the only tool left."""
-        return (
-            self.enabled
-            and self._idle_for() < self.dwell_s
-            and self.level == self.lowest
-            and self._above_since is not None
-            and self.clock() - max(self._above_since, self._changed_at) >= self.dwell_s
-        )
+        """At the lowest level and the queue still takes longer than the SLO: shedding is the only tool left."""
+        return self.enabled and self._saturated
 
     def _set(self, level: int, now: float) -> None:
+        # NOTE: pressure seen past the threshold that moved the level counts from the change on, so with
+        # updates further apart than a dwell (long steps) the level moves once per update, not every other.
+        down = level > self.level
+        self._above_since, self._below_since = (now, None) if down else (None, now)
         self.level = level
         self._changed_at = now
-        self._above_since = self._below_since = None
         self.history.append((now, level))
 
 
@@ -165,3 +204,28 @@ class TTFTWindow:
             return None
         values = sorted(v for _, v in self._samples)
         return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class PrefillRate:
+    """Measured prefill throughput in tokens/s over roughly the last ``horizon_s`` seconds of observed steps:
+    decayed sums of the tokens prefilled and of the seconds taken, each step weighing by its length.
+
+    The engine observes only steps that had at least a full token budget queued, so a short queue (which
+    leaves a step's budget unused) does not pass for low throughput. A step that then waited on the
+    encoder counts with 0 tokens: encoder time shows in the rate wherever it is what holds prefill back."""
+
+    def __init__(self, horizon_s: float = 5.0) -> None:
+        self.horizon_s = horizon_s
+        self._tokens = 0.0
+        self._seconds = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        keep = math.exp(-seconds / self.horizon_s)
+        self._tokens = self._tokens * keep + max(0, tokens)
+        self._seconds = self._seconds * keep + seconds
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """None until a step prefilled something: no throughput known, rather than an infinite wait."""
+        return self._tokens / self._seconds if self._seconds > 0 and self._tokens > 0 else None

@@ -230,6 +230,9 @@ def test_unread_outputs_merge_their_deltas():
         def abort(self, request_id):
             self.aborted.append(request_id)
 
+        def _dequeue(self, stream):
+            pass
+
     def out(ids: list[int], text: str, delta_ids, delta_text, finished=False):
         c = CompletionOutput(0, ids, text, "length" if finished else None, None, delta_text, delta_ids)
         return RequestOutput("r", [1], [c], finished)

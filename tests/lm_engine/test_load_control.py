@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import pytest
 
 from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
+from lm_engine.engine import AdmissionState
 from tests.support import image_part, make_image, user
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -64,6 +66,124 @@ def test_burst_lowers_level_and_it_returns_to_full(tiny_ckpt):
     engine.close()
 
 
+@dataclass
+class SlowBurst:
+    """A burst run on steps slower than the dwell, with the TTFT SLO set from the measured step time."""
+
+    step_s: float  # measured before the burst
+    slo_s: float
+    # Per step: (the level a new image would get right after it, prefill tokens still queued, the worst TTFT
+    # seen so far (None before any), the admission state published).
+    trace: list[tuple] = field(default_factory=list)
+    refused: tuple | None = None  # (EngineOverloaded, time of refusal) for a request tried while overloaded
+    drained_at: float | None = None  # when the queue of prefill work first emptied
+    outputs: dict = field(default_factory=dict)
+    level_after_idle: int | None = None
+
+
+BURST = 10  # requests of ~180 tokens: 7 steps of 256, below the 8 the token-based pressure treats as a limit
+
+
+@pytest.fixture(scope="module")
+def slow_burst(tiny_ckpt) -> SlowBurst:
+    # Two levels, so the first step down reaches the floor; a 50 ms dwell, far shorter than a step.
+    engine = adaptive_engine(
+        tiny_ckpt,
+        max_num_batched_tokens=256,
+        visual_ladder=(448 * 448, 56 * 56),
+        budget_dwell_s=0.05,
+        ttft_slo_ms=1e6,
+    )
+    real_execute = engine.runner.execute
+
+    def slow_execute(sched):
+        time.sleep(0.2)  # a long step, mostly sleep so that its length barely depends on the machine's load
+        return real_execute(sched)
+
+    engine.runner.execute = slow_execute
+    for i in range(3):  # prompts like the burst's, 2 full steps of them
+        engine.add_request(f"warm{i}", user(f"warm up {i} " + "word " * 140), PARAMS)
+    times = []
+    while engine._queued_prefill_tokens() >= 256:
+        t0 = time.monotonic()
+        engine.step()
+        times.append(time.monotonic() - t0)
+    drain(engine, {})
+    step_s = min(times)
+    # The requests finishing in the 2nd step see 2 steps of TTFT, those in the 3rd see 3: an SLO between.
+    run = SlowBurst(step_s=step_s, slo_s=2.5 * step_s)
+    engine.visual_budget.ttft_slo_s = run.slo_s
+    assert engine.visual_budget.level_for("auto") == 0
+    prompts = [engine.process_chat(user(f"question {i} " + "word " * 140)) for i in range(BURST)]
+    assert sum(len(p.token_ids) for p in prompts) < 8 * 256
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS)
+    worst_ttft = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            m = out.metrics
+            if m["first_token_time"] is not None:
+                ttft = m["first_token_time"] - m["arrival_time"]
+                worst_ttft = max(worst_ttft or 0.0, ttft)
+            if out.finished:
+                run.outputs[out.request_id] = out
+        queued = engine._queued_prefill_tokens()
+        run.trace.append((engine.visual_budget.level_for("auto"), queued, worst_ttft, engine.admission))
+        if queued == 0 and run.drained_at is None:
+            run.drained_at = time.monotonic()
+        if engine.admission.overloaded and run.refused is None:
+            with pytest.raises(EngineOverloaded) as err:
+                engine.add_request("late", user("one more"), PARAMS)
+            run.refused = (err.value, time.monotonic())
+    time.sleep(3 * 0.05)  # idle for whole dwells
+    run.level_after_idle = engine.visual_budget.level_for("auto")
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
+    return run
+
+
+def test_long_steps_under_load_keep_the_lowered_level(slow_burst):
+    trace = slow_burst.trace
+    first = next((i for i, (level, *_) in enumerate(trace) if level > 0), None)
+    assert first is not None, trace
+    # Each step lasts several dwells, yet while more than a step of prefill work waits none of that is idle
+    # time (with less, the level may legitimately start climbing back).
+    for level, queued, _, _ in trace[first:]:
+        if queued > 256:
+            assert level == 1, trace
+    # After the burst: idle for whole dwells, and new images get full resolution again.
+    assert trace[-1][1] == 0 and slow_burst.level_after_idle == 0
+
+
+def test_level_drops_on_the_expected_wait_before_any_slow_ttft(slow_burst):
+    trace = slow_burst.trace
+    first = next(i for i, (level, *_) in enumerate(trace) if level > 0)
+    worst_ttft_then = trace[first][2]
+    assert worst_ttft_then is None or worst_ttft_then < slow_burst.slo_s, (slow_burst, trace)
+    assert max(t for *_, t, _ in trace if t is not None) > slow_burst.slo_s  # the burst did miss the SLO
+
+
+def test_saturation_refuses_new_work_fast_and_keeps_admitted_work(slow_burst):
+    run = slow_burst
+    states = [state for *_, state in run.trace]
+    assert any(s.overloaded for s in states), run.trace
+    for level, _, _, state in run.trace:
+        if state.overloaded:
+            # Only at the floor, and only while the queue takes longer than the SLO (or, hysteresis, most of it).
+            assert level == 1 and state.expected_wait_s >= 0.75 * run.slo_s
+            assert state.reason and "lowest visual budget" in state.reason
+        elif level == 1 and state.expected_wait_s is not None:
+            assert state.expected_wait_s <= run.slo_s
+    assert not states[-1].overloaded
+    # Retry-After: whole seconds, about when the queue had drained.
+    err, refused_at = run.refused
+    assert err.retry_after_s >= 1 and err.retry_after_s == int(err.retry_after_s)
+    assert abs(err.retry_after_s - (run.drained_at - refused_at)) <= 1 + 0.5 * err.retry_after_s
+    # Nothing admitted was dropped.
+    assert sorted(run.outputs) == sorted(f"r{i}" for i in range(BURST))
+    assert all(o.outputs[0].finish_reason == "length" for o in run.outputs.values())
+
+
 def test_detail_low_and_high_ignore_the_controller(tiny_ckpt):
     engine = adaptive_engine(tiny_ckpt)
     engine.visual_budget.level = 2
@@ -88,12 +208,14 @@ def test_saturated_engine_sheds_new_work_but_keeps_admitted(tiny_ckpt):
     outputs: dict = {}
     drain(engine, outputs)
     assert sorted(outputs) == [f"q{i}" for i in range(6)]  # nothing admitted was dropped
-    # Saturation: lowest level and still over pressure → refuse quickly.
-    engine.visual_budget.level = engine.visual_budget.lowest
-    engine.visual_budget._above_since = time.monotonic() - 10
-    engine.visual_budget._changed_at = time.monotonic() - 10
-    with pytest.raises(EngineOverloaded):
+    # Saturation (published by the controller's update): refuse, with the state's reason and Retry-After.
+    engine.admission = AdmissionState(overloaded=True, retry_after_s=7.0, reason="test saturation")
+    with pytest.raises(EngineOverloaded, match="test saturation") as err:
         engine.add_request("shed", user("hello"), PARAMS)
+    assert err.value.retry_after_s == 7.0
+    engine.add_request("admitted-anyway", user("hello"), PARAMS, admission=False)  # the server decided
+    drain(engine, outputs)
+    assert "admitted-anyway" in outputs
     engine.close()
 
 

@@ -1,10 +1,17 @@
-"""The visual budget controller on synthetic signals: pressure → level, hysteresis, dwell, recovery."""
+"""The visual budget controller on synthetic signals: pressure → level, hysteresis, dwell, recovery,
+saturation; and the signals' own sources (TTFT window, prefill throughput)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lm_engine.visual_budget import BudgetSignals, TTFTWindow, VisualBudgetController, default_ladder
+from lm_engine.visual_budget import (
+    BudgetSignals,
+    PrefillRate,
+    TTFTWindow,
+    VisualBudgetController,
+    default_ladder,
+)
 
 LADDER = [1_000_000, 500_000, 250_000, 3136]
 
@@ -23,8 +30,16 @@ def controller(clock: Clock, **kw) -> VisualBudgetController:
     )
 
 
-def sig(queued=0, kv=0.0, ttft=None, budget=100) -> BudgetSignals:
-    return BudgetSignals(queued_tokens=queued, token_budget=budget, kv_usage=kv, recent_ttft_s=ttft)
+def sig(queued=0, kv=0.0, ttft=None, budget=100, rate=None, busy=True) -> BudgetSignals:
+    """``rate``: measured prefill tokens/s (None: not measured yet); ``busy``: the engine has work at all."""
+    return BudgetSignals(
+        queued_tokens=queued,
+        token_budget=budget,
+        kv_usage=kv,
+        recent_ttft_s=ttft,
+        prefill_tokens_per_s=rate,
+        busy=busy,
+    )
 
 
 def run(
@@ -76,6 +91,49 @@ def test_short_spikes_do_not_oscillate():
     assert c.level == 0 and not c.history
 
 
+def test_queue_pressure_is_the_expected_wait_against_the_slo():
+    c = controller(Clock())  # SLO 1 s, of which queueing may take half
+    assert c.compute_pressure(sig(queued=200, rate=100.0)) == pytest.approx(4.0)  # 2 s of queue
+    assert c.compute_pressure(sig(queued=200, rate=10_000.0)) == pytest.approx(0.04)  # drains in 20 ms
+    assert sig(queued=200, rate=100.0).expected_wait_s == pytest.approx(2.0)
+    # Before any throughput is measured: tokens against what drain_steps steps take.
+    assert c.compute_pressure(sig(queued=200)) == pytest.approx(0.5)
+    assert sig(queued=200).expected_wait_s is None
+
+
+def test_slow_queue_steps_down_before_any_ttft_is_seen():
+    clock = Clock()
+    c = controller(clock)
+    # 200 tokens are half of what 4 steps of 100 take (no pressure by tokens), and no TTFT came back yet,
+    # but at 50 tokens/s they are 4 s of waiting against a 1 s SLO.
+    levels = run(c, clock, sig(queued=200, rate=50.0), 2.5)
+    assert levels[-1] == 2 and c.expected_wait_s == pytest.approx(4.0)
+    # The same queue drained at 5000 tokens/s is no reason to lower anything.
+    fast = controller(clock)
+    assert set(run(fast, clock, sig(queued=200, rate=5000.0), 5.0)) == {0}
+
+
+def test_long_steps_under_load_do_not_reset_the_level():
+    clock = Clock()
+    c = controller(clock)
+    run(c, clock, sig(queued=1000, rate=100.0), 4.0)
+    assert c.level == c.lowest
+    # Engine steps of 3 s (three dwells each) with work still queued: no update comes for 3 s, yet that is
+    # not idle time. Read mid-step (as the API does for a new image) and at each update, the level holds.
+    for _ in range(5):
+        clock.t += 1.5
+        assert c.level_for("auto") == c.lowest
+        clock.t += 1.5
+        assert c.update(sig(queued=1000, rate=100.0)) == c.lowest
+    # When the queue empties (decodes still running, so not idle), long steps climb one level per update
+    # once the first has seen the low pressure, never straight back to full resolution.
+    levels = []
+    for _ in range(c.lowest + 1):
+        clock.t += 3.0
+        levels.append(c.update(sig(queued=0, rate=100.0)))
+    assert levels == list(range(c.lowest, -1, -1))
+
+
 def test_recovery_after_the_burst_and_after_idle():
     clock = Clock()
     c = controller(clock)
@@ -83,10 +141,40 @@ def test_recovery_after_the_burst_and_after_idle():
     assert c.level == c.lowest
     levels = run(c, clock, sig(queued=0), 4.0)
     assert levels[-1] == 0 and sorted(levels, reverse=True) == levels  # monotone climb back
-    # A quiet spell with no updates at all (idle engine) also counts as time below `low`.
+    # Once the engine reports no work it stops updating; each whole dwell of that quiet spell counts as a
+    # dwell below `low`, both for readers in between and for the next update.
     run(c, clock, sig(queued=1000), 4.0)
+    assert c.update(sig(busy=False)) == c.lowest
+    clock.t += 1.5
+    assert c.level_for("auto") == c.lowest - 1
     clock.t += 30.0
-    assert c.update(sig()) == 0
+    assert c.level_for("auto") == 0 and c.max_pixels() == LADDER[0]
+    assert c.update(sig(queued=50)) == 0 and c.level == 0
+
+
+def test_prefill_rate_weighs_steps_by_their_length():
+    r = PrefillRate(horizon_s=1e9)  # no forgetting: plain ratios of sums
+    assert r.tokens_per_s is None
+    r.observe(100, 1.0)
+    assert r.tokens_per_s == pytest.approx(100.0)
+    r.observe(0, 1.0)  # a step that waited on the encoder: time, no tokens
+    assert r.tokens_per_s == pytest.approx(50.0)
+    r.observe(300, 0.01)  # a tiny step moves a ratio of sums far less than it would a mean of ratios
+    assert r.tokens_per_s == pytest.approx(400 / 2.01)
+    # The past fades with time, not with the number of steps: many short encoder waits (1 s in all) cost
+    # about as much as one long one.
+    many, one = PrefillRate(horizon_s=5.0), PrefillRate(horizon_s=5.0)
+    for r in (many, one):
+        r.observe(5000, 5.0)
+    for _ in range(20):
+        many.observe(0, 0.05)
+    one.observe(0, 1.0)
+    assert many.tokens_per_s == pytest.approx(one.tokens_per_s, rel=0.02)
+    assert 0.6 * 1000 < many.tokens_per_s < 0.9 * 1000
+    waiting = PrefillRate()
+    for _ in range(20):
+        waiting.observe(0, 1.0)
+    assert waiting.tokens_per_s is None  # no token yet: not measured, rather than an infinite wait
 
 
 def test_detail_semantics_and_fixed_mode():
@@ -103,15 +191,44 @@ def test_detail_semantics_and_fixed_mode():
     )
 
 
-def test_saturated_only_at_the_floor_under_pressure():
+def test_saturated_when_even_the_lowest_level_cannot_drain_the_queue_in_time():
+    clock = Clock()
+    c = controller(clock)  # SLO 1 s; shedding stops once the wait is under 0.75 s
+    slow = sig(queued=500, rate=100.0)  # 5 s of queue
+    levels = run(c, clock, slow, 4.0)
+    assert levels[-1] == c.lowest
+    assert c.saturated and c.expected_wait_s == pytest.approx(5.0)
+    # Hysteresis: 0.9 s is within the SLO but above the exit threshold: keep refusing.
+    c.update(sig(queued=90, rate=100.0))
+    assert c.saturated
+    c.update(sig(queued=70, rate=100.0))
+    assert not c.saturated
+    c.update(sig(queued=90, rate=100.0))
+    assert not c.saturated  # and back in only above the SLO
+    c.update(sig(queued=150, rate=100.0))
+    assert c.saturated
+    c.update(sig(busy=False))
+    assert not c.saturated  # an idle engine refuses nothing
+    # No measured throughput, no saturation (tokens alone say nothing about time); fixed mode never sheds.
+    c2 = controller(clock)
+    run(c2, clock, sig(queued=10_000), 6.0)
+    assert c2.level == c2.lowest and not c2.saturated
+    fixed = controller(clock, enabled=False)
+    run(fixed, clock, slow, 6.0)
+    assert not fixed.saturated
+
+
+def test_saturation_waits_for_the_floor():
+    # Above the floor, lowering the level is the answer, not refusing work.
     clock = Clock()
     c = controller(clock)
-    run(c, clock, sig(queued=1000), 3.5)
-    assert c.level == c.lowest and not c.saturated
-    run(c, clock, sig(queued=1000), 1.2)
-    assert c.saturated
-    run(c, clock, sig(queued=0), 0.2)
-    assert not c.saturated
+    seen = []
+    for _ in range(40):
+        clock.t += 0.1
+        c.update(sig(queued=500, rate=100.0))
+        seen.append((c.level, c.saturated))
+    assert all(level == c.lowest for level, sat in seen if sat)
+    assert seen[-1] == (c.lowest, True)
 
 
 def test_ladder_and_ttft_window():

@@ -1,0 +1,215 @@
+"""Admission control at the API, in process: refusals are decided on the event loop, before any media is
+fetched and without waiting for the engine thread, and the queue counts behind them never leak."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.async_engine import AsyncEngine, EngineFailure
+from api.config import ServerArgs
+from api.media import MediaFetcher
+from api.server import CHAT_PATH, create_app
+from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
+from lm_engine.engine import AdmissionState
+from lm_engine.processor import InputError
+from tests.support import make_image, user
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+PNG_URL = "data:image/png;base64," + base64.b64encode(make_image(64, 48, 3)).decode()
+WITH_IMAGE = {
+    **CHAT,
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": PNG_URL}},
+                {"type": "text", "text": "what?"},
+            ],
+        }
+    ],
+}
+STALL_S = 3.0  # how long a stalled step lasts at most (unless released)
+
+
+class StalledStep:
+    """Replaces ``engine.step``: each step blocks until ``release`` (at most STALL_S), then runs."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.real = engine.step
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        engine.step = self.step
+
+    def step(self):
+        self.entered.set()
+        self.release.wait(STALL_S)
+        return self.real()
+
+
+@pytest.fixture
+def fetches(monkeypatch) -> list[str]:
+    """The URLs the server fetched (data: URLs included)."""
+    seen: list[str] = []
+    real = MediaFetcher.fetch
+
+    async def counting(self, url: str):
+        seen.append(url)
+        return await real(self, url)
+
+    monkeypatch.setattr(MediaFetcher, "fetch", counting)
+    return seen
+
+
+def make_client(ckpt, **engine_kw) -> TestClient:
+    args = ServerArgs(engine=EngineConfig(model=str(ckpt), num_kv_blocks=64, **engine_kw))
+    return TestClient(create_app(args), raise_server_exceptions=False)
+
+
+def timed_post(client: TestClient, body: dict):
+    t0 = time.monotonic()
+    resp = client.post(CHAT_PATH, json=body)
+    return resp, time.monotonic() - t0
+
+
+def assert_overloaded(resp, retry_after: int | None = None) -> None:
+    assert resp.status_code == 503, resp.text
+    err = resp.json()["error"]
+    assert (
+        err["type"] == "server_error"
+        and err["code"] == "overloaded"
+        and err["message"].startswith("overloaded")
+    )
+    assert int(resp.headers["Retry-After"]) >= 1
+    if retry_after is not None:
+        assert int(resp.headers["Retry-After"]) == retry_after
+
+
+def test_full_queue_refuses_at_once_while_the_engine_is_in_a_long_step(tiny_ckpt, fetches):
+    with make_client(tiny_ckpt, max_queued_requests=1) as client:
+        stall = StalledStep(client.app.state.engine.engine)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, CHAT_PATH, json=CHAT)
+            assert stall.entered.wait(10)  # the first request is queued; its step is under way
+            resp, elapsed = timed_post(client, WITH_IMAGE)
+            stall.release.set()
+            assert first.result().status_code == 200
+        assert_overloaded(resp)
+        assert elapsed < 0.5, elapsed  # not the STALL_S the engine thread was busy for
+        assert fetches == []  # refused before its image was fetched
+        assert "1 requests are already queued" in resp.json()["error"]["message"]
+        # Once the first request was admitted, the queue has room again.
+        assert client.post(CHAT_PATH, json=WITH_IMAGE).status_code == 200
+        assert fetches == [PNG_URL]
+        assert 'vlmserve_requests_total{status="unavailable"} 1.0' in client.get("/metrics").text
+
+
+def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetches):
+    with make_client(tiny_ckpt, visual_budget="adaptive") as client:
+        engine = client.app.state.engine.engine
+        stall = StalledStep(engine)
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, CHAT_PATH, json=CHAT)
+            assert stall.entered.wait(10)
+            # What the controller's update would publish at the floor with too much queued (the step in
+            # progress publishes again only when it ends).
+            engine.admission = AdmissionState(True, 4.2, "even the lowest visual budget leaves 9 s", 9.0)
+            resp, elapsed = timed_post(client, WITH_IMAGE)
+            stall.release.set()
+            assert first.result().status_code == 200  # admitted before: never dropped
+        assert_overloaded(resp, retry_after=5)
+        assert elapsed < 0.5, elapsed
+        assert fetches == []
+        assert "lowest visual budget" in resp.json()["error"]["message"]
+        # The step's end published the real state: an idle engine refuses nothing.
+        assert not engine.admission.overloaded
+        assert client.post(CHAT_PATH, json=WITH_IMAGE).status_code == 200
+        assert "vlmserve_admission_overloaded 0.0" in client.get("/metrics").text
+
+
+def test_queued_token_bound_is_checked_with_the_prompt_size(tiny_ckpt):
+    with make_client(tiny_ckpt, max_queued_tokens=40) as client:
+        long = {**CHAT, "messages": [{"role": "user", "content": "word " * 60}]}
+        resp, elapsed = timed_post(client, long)
+        assert_overloaded(resp)
+        assert "queue of prompt tokens is full" in resp.json()["error"]["message"]
+        assert client.post(CHAT_PATH, json=CHAT).status_code == 200
+        assert client.app.state.engine.queued_tokens == 0
+
+
+def test_queue_counts_never_leak(tiny_ckpt):
+    """Every way a request can leave before the scheduler admits it takes it out of the counts once."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), num_kv_blocks=64, max_queued_requests=2))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def counts(ae: AsyncEngine) -> tuple[int, int]:
+        return ae.queued_requests, ae.queued_tokens
+
+    async def until(cond, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        prompt = engine.process_chat(user("hello there"))
+        n = len(prompt.token_ids)
+        try:
+            # Served to the end.
+            stream = await ae.add_request("ok", prompt, params)
+            assert [o async for o in stream][-1].finished
+            await until(lambda: counts(ae) == (0, 0))
+
+            stall = StalledStep(engine)
+            # Cancelled while waiting for the engine thread (a client gone before acceptance).
+            first = await ae.add_request("first", prompt, params)  # accepted; its step stalls
+            assert stall.entered.wait(10) and counts(ae) == (1, n)
+            task = asyncio.ensure_future(ae.add_request("cancelled", prompt, params))
+            await asyncio.sleep(0.05)
+            assert counts(ae) == (2, 2 * n)
+            with pytest.raises(EngineOverloaded):  # the bound holds meanwhile, without waiting
+                await ae.add_request("refused", prompt, params)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert counts(ae) == (1, n)
+            # Accepted, then closed before the scheduler admitted it.
+            first.close()
+            assert counts(ae) == (0, 0)
+            # Refused by the engine itself (too long for the context).
+            stall.release.set()
+            too_long = engine.process_chat(user("word " * engine.max_model_len))
+            with pytest.raises(InputError):
+                await ae.add_request("too-long", too_long, params)
+            assert counts(ae) == (0, 0)
+
+            # A step that fails before scheduling fails the queued request: counted out by its failure.
+            real = stall.real
+
+            def failing_step():
+                engine.step = real
+                raise RuntimeError("simulated fault")
+
+            engine.step = failing_step
+            stream = await ae.add_request("failed", prompt, params)
+            with pytest.raises(EngineFailure):
+                [o async for o in stream]
+            assert counts(ae) == (0, 0)
+
+            # Nothing leaked: the bound of 2 still admits 2.
+            streams = [await ae.add_request(f"after{i}", prompt, params) for i in range(2)]
+            for s in streams:
+                assert [o async for o in s][-1].finished
+            await until(lambda: counts(ae) == (0, 0) and not ae._unadmitted)
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
