@@ -137,6 +137,7 @@ class Result:
     prompt_ids: list[list[int]] = field(default_factory=list)
     notes: str = ""
     others: float = 0.0  # CPU share other processes took meanwhile
+    timer: StageTimer | None = None
 
 
 def ensure_checkpoint(path: Path | None) -> Path:
@@ -162,7 +163,7 @@ class StageTimer:
         fn = getattr(obj, attr)
 
         def timed(*args, **kwargs):
-            name = label(*args) if callable(label) else label
+            name = label(*args, **kwargs) if callable(label) else label
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -173,13 +174,13 @@ class StageTimer:
         setattr(obj, attr, timed)
 
 
-def _step_kind(sched) -> str:
+def _step_kind(sched, **_) -> str:
     if all(c.num_tokens == 1 for c in sched.chunks):
         return "decoder forward, decode-only steps"
     return "decoder forward, steps with prefill chunks"
 
 
-def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Result, StageTimer, str]:
+def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Result, str]:
     from lm_engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -195,11 +196,11 @@ def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Resul
 
     eng = llm.engine
     timer = StageTimer()
-    timer.wrap(eng.processor, "process_chat", "prompt processing (template, tokenize, probe), main thread")
+    timer.wrap(eng.processor, "process_chat", "prompt processing (template, tokenize, probe)")
     timer.wrap(eng.runner, "execute", _step_kind)
     vision = getattr(eng, "vision", None)  # the encoder thread's pipeline, where the engine has one
     if vision is not None:
-        timer.wrap(vision, "wait", "main thread idle, waiting for image embeddings")
+        timer.wrap(vision, "wait", "idle, waiting for image embeddings")
         vision_s0 = vision.stats.encode_seconds
     else:
         timer.wrap(eng.runner, "encode_images", "vision tower + merger")
@@ -227,10 +228,11 @@ def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Resul
         [list(o.prompt_token_ids) for o in outs],
         notes=f"{timer.calls['steps']} steps, {cached} prompt tokens from the prefix cache",
         others=busy.share,
+        timer=timer,
     )
     if hasattr(eng, "close"):
         eng.close()
-    return res, timer, side
+    return res, side
 
 
 class HFRunner:
@@ -279,6 +281,7 @@ class HFRunner:
         outs: list[list[int]] = [[] for _ in convs]
         prompts: list[list[int]] = [[] for _ in convs]
         padded = real = 0
+        timer = self._timed()
         wait_idle(wait_s)
         with Contention() as busy:
             t0 = time.perf_counter()
@@ -290,11 +293,35 @@ class HFRunner:
                 padded += len(idx) * max(map(len, p))
                 real += sum(map(len, p))
             wall = time.perf_counter() - t0
+        self._untimed()
         if batch_size == 1:
-            return Result("hf single", wall, outs, prompts, others=busy.share)
+            return Result("hf single", wall, outs, prompts, others=busy.share, timer=timer)
         name = f"hf batch {batch_size}" + (", sorted" if lengths is not None else "")
         pad = f"padding {100 * (padded - real) / padded:.0f}% of prompt rows"
-        return Result(name, wall, outs, prompts, notes=pad, others=busy.share)
+        return Result(name, wall, outs, prompts, notes=pad, others=busy.share, timer=timer)
+
+    def _timed(self) -> StageTimer:
+        """Time the stages of generate() by wrapping instance attributes (removed by ``_untimed``)."""
+        timer = StageTimer()
+        timer.wrap(self, "inputs", "preprocess (chat template, processor)")
+        timer.wrap(self.model.model.visual, "forward", "vision tower + merger")
+
+        def lm_kind(*args, **kwargs) -> str:
+            x = kwargs.get("inputs_embeds")
+            x = x if x is not None else kwargs.get("input_ids")
+            return (
+                "decoder forward, prefill"
+                if x is not None and x.shape[1] > 1
+                else "decoder forward, decode steps"
+            )
+
+        timer.wrap(self.model.model.language_model, "forward", lm_kind)
+        return timer
+
+    def _untimed(self) -> None:
+        for obj, attr in ((self, "inputs"), (self.model.model.visual, "forward")):
+            del obj.__dict__[attr]
+        del self.model.model.language_model.__dict__["forward"]
 
 
 # -- report ----------------------------------------------------------------------------------------------------
@@ -356,17 +383,14 @@ def print_agreement(results: list[Result]) -> None:
             )
 
 
-def print_split(eng: Result, timer: StageTimer, side: str) -> None:
-    print(
-        f"engine time split ({eng.wall_s:.1f} s wall of the timed chat() call, {timer.calls['steps']} steps):"
-    )
+def print_split(r: Result, rest_label: str, side: str = "") -> None:
+    print(f"{r.name} time split ({r.wall_s:.1f} s wall):")
     accounted = 0.0
-    for label, sec in timer.seconds.items():
+    for label, sec in r.timer.seconds.items():
         accounted += sec
-        print(f"  {label:58} {sec:7.2f} s {100 * sec / eng.wall_s:5.1f}%  ({timer.calls[label]} calls)")
-    rest = eng.wall_s - accounted
-    label = "rest: scheduling, sampling, detokenizing, Python"
-    print(f"  {label:58} {rest:7.2f} s {100 * rest / eng.wall_s:5.1f}%")
+        print(f"  {label:50} {sec:7.2f} s {100 * sec / r.wall_s:5.1f}%  ({r.timer.calls[label]} calls)")
+    rest = r.wall_s - accounted
+    print(f"  {rest_label:50} {rest:7.2f} s {100 * rest / r.wall_s:5.1f}%")
     if side:
         print(f"  {side}")
 
@@ -385,7 +409,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="8,16", help="transformers padded batch sizes")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads, all modes")
     parser.add_argument(
-        "--dtype", default="auto", help="auto (the checkpoint's bf16) or float32: greedy outputs then agree"
+        "--dtype",
+        default="auto",
+        help="auto: what the engine resolves (bf16, or float32 on a CPU slow at bf16), for every mode",
     )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -417,8 +443,13 @@ def main() -> None:
         f"{args.output_tokens} output tokens each, greedy"
     )
 
+    from lm_engine.config import EngineConfig
+    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+
+    compute = EngineConfig(str(model), dtype=args.dtype).resolve_dtype(Qwen2VLConfig.from_dir(model).dtype)
+    print(f"compute dtype: {compute} (every mode; --dtype {args.dtype})")
     print("engine …", flush=True)
-    eng, timer, side = run_engine(model, convs, args.output_tokens, args, warmup)
+    eng, side = run_engine(model, convs, args.output_tokens, args, warmup)
     results = [eng]
     _done(eng)
     lengths = [len(p) for p in eng.prompt_ids]
@@ -427,7 +458,7 @@ def main() -> None:
     print(f"  prompts: {sum(lengths)} tokens ({visual} visual), {min(lengths)}–{max(lengths)} per request")
 
     if not args.engine_only:
-        hf = HFRunner(model, torch.float32 if args.dtype in ("float32", "fp32") else torch.bfloat16)
+        hf = HFRunner(model, compute)
         for conv in warmup:  # lazy kernels and the allocator, as the engine's warm-up does
             hf.generate([conv], 4)
         modes = [] if args.skip_hf_single else [(1, None)]
@@ -445,7 +476,10 @@ def main() -> None:
     print()
     print_table(results, len(convs), len(convs) * args.output_tokens)
     print()
-    print_split(eng, timer, side)
+    print_split(eng, "rest: scheduling, sampling, detokenizing, Python", side)
+    if len(results) > 1:
+        print()
+        print_split(min(results[1:], key=lambda r: r.wall_s), "rest: generate() loop, lm_head, Python")
     print_agreement(results)
 
 

@@ -20,7 +20,7 @@ _DTYPES = {
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # the checkpoint's own dtype
+    dtype: str = "auto"  # the checkpoint's own dtype, or float32 on a CPU that is slow at it (resolve_dtype)
     device: str = "cpu"
     block_size: int = 16
     max_num_batched_tokens: int = 2048
@@ -59,8 +59,40 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype. ``auto`` keeps the checkpoint's own, except that a half-precision checkpoint
+        runs in float32 on a CPU whose half-precision matmul is slower than float32 (no AMX/AVX512-BF16:
+        on an AVX2-only CPU bfloat16 matmul measured ~100× slower). Upcasting is lossless."""
         if self.dtype == "auto":
+            half = checkpoint_dtype in (torch.bfloat16, torch.float16)
+            if half and self.device.startswith("cpu") and not cpu_matmul_is_fast(checkpoint_dtype):
+                return torch.float32
             return checkpoint_dtype
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         return _DTYPES[self.dtype]
+
+
+_FAST: dict[torch.dtype, bool] = {}
+
+
+def cpu_matmul_is_fast(dtype: torch.dtype) -> bool:
+    """Whether a ``dtype`` matmul on this CPU is at least as fast as float32 (timed once per process, ~10 ms).
+
+    oneDNN runs bfloat16 at several times the float32 rate where the CPU has AMX or AVX512-BF16 and
+    emulates it far below the float32 rate where it has neither; a short timing says which without
+    guessing from CPU flags."""
+    if dtype not in _FAST:
+        import time
+
+        def best(dt: torch.dtype) -> float:
+            a = torch.randn(64, 512).to(dt)
+            b = torch.randn(512, 512).to(dt)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                a @ b
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+
+        _FAST[dtype] = best(dtype) <= best(torch.float32) * 1.1
+    return _FAST[dtype]

@@ -87,6 +87,13 @@ class LLMEngine:
         path = Path(config.model)
         self.model_config = Qwen2VLConfig.from_dir(path)
         self.dtype = config.resolve_dtype(self.model_config.dtype)
+        if config.dtype == "auto" and self.dtype != self.model_config.dtype:
+            log.info(
+                "computing in %s: this %s is slower at the checkpoint's %s (dtype=auto; pass --dtype to force)",
+                str(self.dtype).removeprefix("torch."),
+                config.device,
+                str(self.model_config.dtype).removeprefix("torch."),
+            )
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.processor = InputProcessor(path, self.model_config, self.preprocess_config)

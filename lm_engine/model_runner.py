@@ -70,7 +70,7 @@ class ModelRunner:
             self.model = Qwen2VLDecoder(cfg).to(dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
-        self.vision = VisionTower(cfg).to(self.device)
+        self.vision = VisionTower(cfg, dtype).to(self.device)
         self.vision.load_weights(model_dir)
         self.vision.eval()
         self.backend = get_backend(device, attention_backend)

@@ -298,7 +298,7 @@ class Qwen2VLDecoder(nn.Module):
 class VisionTower(nn.Module):
     """ViT + 2×2 patch merger (the connector), from transformers' Qwen2-VL module with our loader."""
 
-    def __init__(self, cfg: Qwen2VLConfig) -> None:
+    def __init__(self, cfg: Qwen2VLConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -316,7 +316,9 @@ class VisionTower(nn.Module):
             vcfg = {k: v for k, v in vcfg.items() if k in known}
         vision_config = Qwen2VLVisionConfig(**vcfg)
         vision_config._attn_implementation = "sdpa"
-        self.model = Qwen2VisionTransformerPretrainedModel._from_config(vision_config, dtype=cfg.dtype)
+        self.model = Qwen2VisionTransformerPretrainedModel._from_config(
+            vision_config, dtype=dtype or cfg.dtype
+        )
         self.spatial_merge_size = vision_config.spatial_merge_size
         self.out_dim = vision_config.hidden_size
 
