@@ -80,9 +80,10 @@ class AttentionBackend(ABC):
         else:
             block_size = k_cache.shape[1]
             n_blocks = (context_len + block_size - 1) // block_size
-            blocks = block_table[:n_blocks]
-            keys = k_cache[blocks].flatten(0, 1)[:context_len]
-            values = v_cache[blocks].flatten(0, 1)[:context_len]
+            blocks = block_table[:n_blocks].long()
+            # NOTE: index_select, not k_cache[blocks]: advanced indexing is up to 50× slower on the CPU.
+            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+            values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         kh = keys.transpose(0, 1).unsqueeze(0)
         vh = values.transpose(0, 1).unsqueeze(0)

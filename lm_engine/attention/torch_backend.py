@@ -22,6 +22,14 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """``cache[tables]`` ([*tables.shape, block_size, KVH, D]) as one ``index_select`` over whole blocks.
+
+    NOTE: advanced indexing runs a generic per-element kernel on the CPU; for one sequence's 113 blocks
+    it measured 6.2 ms against 0.12 ms for ``index_select`` (benchmarks/README.md, decode step)."""
+    return cache.index_select(0, tables.reshape(-1)).view(*tables.shape, *cache.shape[1:])
+
+
 def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -38,19 +46,22 @@ def paged_decode(
     n_blocks = (max_context + block_size - 1) // block_size
     tables = block_tables[:, :n_blocks].long()
     # Gathers only the blocks the longest sequence needs: [S, L, KVH, D]
-    keys = k_cache[tables].flatten(1, 2)
-    values = v_cache[tables].flatten(1, 2)
+    keys = gather_blocks(k_cache, tables).flatten(1, 2)
+    values = gather_blocks(v_cache, tables).flatten(1, 2)
     length = keys.shape[1]
     mask = torch.arange(length, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).to(q.device)
+    s, h, d = q.shape
+    kvh = keys.shape[2]
+    # NOTE: the query heads that share a KV head go in as that head's query rows ([S, KVH, H/KVH, D]),
+    # not as one query per head with enable_gqa: the same result, 2× faster on the CPU (bigger tiles).
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [S, H, 1, D]
+        q.view(s, kvh, h // kvh, d),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         attn_mask=mask[:, None, None, :],
         scale=scale,
-        enable_gqa=True,
     )
-    return out.squeeze(2)
+    return out.reshape(s, h, d)
 
 
 class TorchBackend(AttentionBackend):
