@@ -46,7 +46,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from api.chat import ChatService, _usage
+from api.chat import ChatService, completion_body
 from api.config import ServerArgs
 from api.errors import APIError, from_input_error, from_validation_error
 from api.media import MediaConfig, MediaFetcher
@@ -229,33 +229,6 @@ def _error_record(custom_id: str | None, err: APIError | _LineError, request_id:
         "response": response,
         "error": {"code": err.code, "message": err.message},
     }
-
-
-def _completion_body(out: RequestOutput, model: str, return_ids: bool) -> dict:
-    """The non-streamed chat.completion, as api/chat.py answers it over HTTP."""
-    choices = []
-    for c in out.outputs:
-        choice = {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
-            "logprobs": None,
-            "stop_reason": c.stop_reason,
-        }
-        if return_ids:
-            choice["token_ids"] = list(c.token_ids)
-        choices.append(choice)
-    body = {
-        "id": out.request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": _usage(out),
-    }
-    if return_ids:
-        body["prompt_token_ids"] = list(out.prompt_token_ids)
-    return body
 
 
 # ---------------------------------------------------------------- plumbing
@@ -581,7 +554,7 @@ class _BatchRun:
         if not out.finished:
             return
         del running[out.request_id]
-        body = _completion_body(out, run.model, run.return_token_ids)
+        body = completion_body(out, run.model, run.return_token_ids)
         spill.put(run.index, _ok_record(run.custom_id, out.request_id, body))
         s = self.summary
         s.ok += 1

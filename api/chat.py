@@ -56,6 +56,33 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
+def completion_body(out: RequestOutput, model: str, return_ids: bool) -> dict:
+    """The non-streamed chat.completion for a finished request (the server's answer and a batch line's)."""
+    choices = []
+    for c in out.outputs:
+        choice = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason,
+            "logprobs": None,
+            "stop_reason": c.stop_reason,
+        }
+        if return_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
+    body = {
+        "id": out.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage(out),
+    }
+    if return_ids:
+        body["prompt_token_ids"] = list(out.prompt_token_ids)
+    return body
+
+
 def visual_level_header(levels: list[int]) -> dict[str, str]:
     """The visual budget level each image got (0 = full resolution), as a response header."""
     return {VISUAL_LEVEL_HEADER: ",".join(map(str, levels))} if levels else {}
@@ -211,29 +238,7 @@ class ChatService:
             final = out
         assert final is not None and final.finished
         self._record(final, timing)
-        choices = []
-        for c in final.outputs:
-            choice = {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
-                "logprobs": None,
-                "stop_reason": c.stop_reason,
-            }
-            if return_ids:
-                choice["token_ids"] = list(c.token_ids)
-            choices.append(choice)
-        body = {
-            "id": final.request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": _usage(final),
-        }
-        if return_ids:
-            body["prompt_token_ids"] = list(final.prompt_token_ids)
-        return body
+        return completion_body(final, model, return_ids)
 
     async def _stream(
         self,
