@@ -203,6 +203,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token target under load")
     g.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=None,
+        help="per-output-token target: while requests decode, each step carries only the prefill that fits "
+        "it at the measured prefill rate (default: no cap, the whole --max-num-batched-tokens)",
+    )
+    g.add_argument(
         "--max-queued-requests", type=int, default=None, help="refuse new work (503) past this queue"
     )
     g.add_argument(
@@ -221,6 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             **_engine_kwargs(args),
             visual_budget=args.visual_budget,
             ttft_slo_ms=args.ttft_slo_ms,
+            tpot_slo_ms=args.tpot_slo_ms,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
         ),

@@ -45,6 +45,9 @@ class EngineConfig:
     visual_budget: str = "fixed"
     visual_ladder: tuple[int, ...] | None = None  # max_pixels per level; default 100/50/25 %/minimum
     ttft_slo_ms: float = 2000.0
+    # Per-output-token target: while requests decode, a step carries only the prefill that fits this time at
+    # the measured prefill rate (a long prefill chunk stalls every stream for its length). None: no cap.
+    tpot_slo_ms: float | None = None
     budget_dwell_s: float = 1.0
     # Admission bounds on queued work (None: unbounded, as offline batches want; the server sets them).
     max_queued_requests: int | None = None

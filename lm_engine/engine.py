@@ -256,6 +256,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step, with the visual budget controller fed the state before it and the state it left."""
         queued, t0 = self._update_visual_budget(), time.monotonic()
+        self.scheduler.prefill_cap_with_decodes = self._prefill_cap()
         outputs = self._step()
         if queued >= self.config.max_num_batched_tokens:  # a step that could fill its budget
             # NOTE: no request is added during a step, so the queue's shrinkage is the prefill it did (prefix
@@ -263,6 +264,16 @@ class LLMEngine:
             self.prefill_rate.observe(queued - self._queued_prefill_tokens(), time.monotonic() - t0)
         self._update_visual_budget()  # the engine may be idle from here on: the controller must know
         return outputs
+
+    def _prefill_cap(self) -> int | None:
+        """Prefill tokens that fit the per-token target beside decodes, at the measured prefill rate.
+
+        The rate is measured on such capped steps too, so the cap settles where a step's fixed cost plus its
+        prefill fills the target (at least one block, so prefill always moves)."""
+        slo, rate = self.config.tpot_slo_ms, self.prefill_rate.tokens_per_s
+        if slo is None or rate is None:
+            return None
+        return max(self.config.block_size, int(rate * slo / 1000 * 0.8))
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -54,6 +54,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
+        # Prefill tokens a step may carry beside decodes (None: the whole budget); the engine sets it from the
+        # per-token latency target and the measured prefill rate.
+        self.prefill_cap_with_decodes: int | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -78,6 +81,8 @@ class Scheduler:
                 budget -= 1
         if out.preempted:
             return out  # memory is short: admit nothing new this step
+        if out.chunks and self.prefill_cap_with_decodes is not None:
+            budget = min(budget, self.prefill_cap_with_decodes)  # streams wait for this step's prefill
         # Prefill: each client with prefill work gets an equal share first (least-served first) ...
         share, used = self._client_share(budget), {}
         chunk_of: dict[int, ScheduledChunk] = {}

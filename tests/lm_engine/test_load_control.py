@@ -242,3 +242,51 @@ def test_one_client_with_huge_images_does_not_starve_another(tiny_ckpt):
     # ~4000 tokens of image prefill ahead of it: FIFO makes the small request wait for all of them.
     fair, unfair = steps_until_first_token(True), steps_until_first_token(False)
     assert fair <= 2 and unfair > 20, (fair, unfair)
+
+
+def _prefill_per_step(engine: LLMEngine, steps: int) -> list[tuple[int, int]]:
+    """(decode tokens, prefill tokens) of each of the next ``steps`` steps."""
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        dec = sum(1 for c in out.chunks if c.seq.num_output_tokens)  # streams: they have output already
+        seen.append((dec, sum(c.num_tokens for c in out.chunks) - dec))
+        return out
+
+    engine.scheduler.schedule = spy
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        engine.scheduler.schedule = schedule
+    return seen
+
+
+def test_prefill_beside_decodes_fits_the_tpot_target(tiny_ckpt):
+    """While a request streams, a step carries only the prefill the per-token target allows at the measured
+    rate; with nothing decoding, prefill gets the whole token budget again."""
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_ckpt), max_num_batched_tokens=256, num_kv_blocks=128, tpot_slo_ms=100.0)
+    )
+    long_prompt = user(" ".join(f"word{i}" for i in range(400)))
+    stream = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("a", engine.process_chat(user("hi")), stream)
+    while not engine.requests["a"].seqs[0].num_output_tokens:
+        engine.step()
+    engine.prefill_rate.observe(1000, 1.0)  # as if measured: 1000 prefill tokens/s
+    engine.prefill_rate.observe = lambda tokens, seconds: None  # hold it there for the check
+    engine.add_request("b", engine.process_chat(long_prompt), PARAMS)
+    steps = _prefill_per_step(engine, 3)
+    cap = int(1000 * 0.100 * 0.8)
+    assert all(dec == 1 for dec, _ in steps), steps
+    assert all(0 < pre <= cap for _, pre in steps), steps
+    # Without a target the same situation fills the budget.
+    engine.config.tpot_slo_ms = None
+    ((dec, pre),) = _prefill_per_step(engine, 1)
+    assert dec == 1 and pre > cap, (dec, pre)
+    engine.abort("a")
+    engine.config.tpot_slo_ms = 100.0
+    ((dec, pre),) = _prefill_per_step(engine, 1)
+    assert dec == 0 and pre > cap, (dec, pre)  # nobody streams: the whole budget
