@@ -1,7 +1,8 @@
 """Engine throughput: our paged-KV engine against transformers ``generate()`` on the same requests.
 
 A mix of image requests (224² … 1024×768, some with two images, some text-only, every image distinct,
-prompts of varying length) on the generated ``small`` preset (bf16), each forced to emit exactly
+prompts of varying length) on the generated ``small`` preset (stored in bf16; every mode computes in the
+dtype the engine's ``auto`` resolves to, float32 on a CPU slow at bf16), each forced to emit exactly
 ``--output-tokens`` tokens, run in one process through:
 
 - ``engine``: ``LLM.chat`` over all requests at once (continuous batching, chunked prefill);
@@ -11,11 +12,12 @@ prompts of varying length) on the generated ``small`` preset (bf16), each forced
 
 Every mode includes its own preprocessing (chat template, image resize/patchify). Visual token counts
 come from the checkpoint's preprocessor config on both sides; prompt token ids are compared request by
-request. Greedy agreement between the engine and ``hf single`` is printed, not asserted (bf16 flips
-near-ties legitimately).
+request. Greedy agreement between the engine and ``hf single`` is printed, not asserted (in bf16 near-ties
+flip legitimately).
 
     .venv/bin/python benchmarks/engine_throughput.py            # 64 requests × 64 tokens, minutes
-    .venv/bin/python benchmarks/engine_throughput.py --quick    # 8 requests × 16 tokens, < 60 s
+    .venv/bin/python benchmarks/engine_throughput.py --quick    # 8 requests × 16 tokens, ~3 min
+    .venv/bin/python benchmarks/engine_throughput.py --batch-sizes 8,16 --hf-orders sorted  # issue 2's run
 """
 
 from __future__ import annotations
@@ -413,6 +415,9 @@ def main() -> None:
         default="auto",
         help="auto: what the engine resolves (bf16, or float32 on a CPU slow at bf16), for every mode",
     )
+    parser.add_argument(
+        "--hf-orders", default="arrival,sorted", help="transformers batch orders: arrival, sorted (by length)"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
@@ -462,7 +467,8 @@ def main() -> None:
         for conv in warmup:  # lazy kernels and the allocator, as the engine's warm-up does
             hf.generate([conv], 4)
         modes = [] if args.skip_hf_single else [(1, None)]
-        modes += [(bs, order) for bs in batch_sizes for order in (None, lengths)]
+        orders = [{"arrival": None, "sorted": lengths}[o] for o in args.hf_orders.split(",") if o]
+        modes += [(bs, order) for bs in batch_sizes for order in orders]
         for bs, order in modes:
             print(f"hf batch {bs}{', sorted' if order else ''} …", flush=True)
             results.append(hf.run(convs, args.output_tokens, bs, order, args.wait_idle))

@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
 import math
 import os
@@ -303,7 +304,17 @@ def vlmserve_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str
     ]
 
 
-def transformers_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+def matching_dtype(model: Path) -> str:
+    """The dtype vlmserve computes this checkpoint in with --dtype auto (float32 for a bf16 checkpoint on a
+    CPU slow at bf16), so that transformers serve is given the same arithmetic and not a 100× slower one."""
+    from lm_engine.config import EngineConfig
+    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+
+    dtype = EngineConfig(str(model)).resolve_dtype(Qwen2VLConfig.from_dir(model).dtype)
+    return str(dtype).removeprefix("torch.")
+
+
+def transformers_argv(model: Path, port: int, extra: Sequence[str] = (), dtype: str = "auto") -> list[str]:
     # NOTE: transformers 5.24: `transformers serve [OPTIONS] [FORCE_MODEL]`; a local directory as FORCE_MODEL
     # is loaded at startup and served under its path as the model id.
     return [
@@ -316,7 +327,7 @@ def transformers_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list
         "--device",
         "cpu",
         "--dtype",
-        "auto",
+        dtype,
         *extra,
         str(model),
     ]
@@ -548,7 +559,7 @@ def run_compare(args: argparse.Namespace) -> int:
         servers.append(
             (
                 "transformers serve",
-                transformers_argv,
+                functools.partial(transformers_argv, dtype=args.transformers_dtype or matching_dtype(model)),
                 args.transformers_arg,
                 "transformers",
                 {"HF_HUB_OFFLINE": "1"},
@@ -800,6 +811,21 @@ def run_overload(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- CLI
 
 
+def add_common_args(p: argparse.ArgumentParser, *, requests: str, max_tokens: str) -> None:
+    """The checkpoint, trace and timeout options this script shares with visual_budget.py."""
+    p.add_argument("--preset", default="small", choices=["tiny", "small"], help="generated checkpoint")
+    p.add_argument("--checkpoint-seed", type=int, default=0)
+    p.add_argument("--model", help="serve this checkpoint directory instead of a generated preset")
+    p.add_argument("-n", "--num-requests", type=int, help=f"requests in the trace ({requests})")
+    p.add_argument("--max-tokens", type=int, help=f"generated in full ({max_tokens})")
+    p.add_argument("--resolutions", default=load.DEFAULT_RESOLUTIONS)
+    p.add_argument("--formats", default="jpeg,png")
+    p.add_argument("--seed", type=int, default=0, help="trace seed")
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
+    p.add_argument("--request-timeout-s", type=float, default=900.0)
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="serve_compare.py",
@@ -808,18 +834,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="shrink: 16 requests, 8 clients, max_tokens 32")
     p.add_argument("--overload", action="store_true", help="the admission-control overload check instead")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"], help="generated checkpoint")
-    p.add_argument("--checkpoint-seed", type=int, default=0)
-    p.add_argument("--model", help="serve this checkpoint directory instead of a generated preset")
+    add_common_args(p, requests="default 64; --quick 16", max_tokens="default 128; --quick 32")
     p.add_argument("--clients", type=int, help="concurrent clients (default 16; --quick 8)")
-    p.add_argument("-n", "--num-requests", type=int, help="requests (default 64; --quick 16)")
-    p.add_argument("--max-tokens", type=int, help="generated in full (default 128; --quick 32)")
-    p.add_argument("--resolutions", default=load.DEFAULT_RESOLUTIONS)
-    p.add_argument("--formats", default="jpeg,png")
-    p.add_argument("--seed", type=int, default=0, help="trace seed")
-    p.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
-    p.add_argument("--request-timeout-s", type=float, default=900.0)
-    p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--slo-ttft-ms", type=float)
     p.add_argument("--slo-tpot-ms", type=float)
     p.add_argument("--skip-transformers", action="store_true", help="vlmserve only")
@@ -831,6 +847,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument (repeatable)"
+    )
+    p.add_argument(
+        "--transformers-dtype",
+        help="transformers serve --dtype (default: what vlmserve's auto resolves to here, e.g. float32 for the "
+        "bf16 preset on a CPU without fast bf16; 'auto' gives it the checkpoint's bf16)",
     )
     p.add_argument(
         "--transformers-arg",

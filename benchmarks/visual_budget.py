@@ -41,6 +41,7 @@ from benchmarks.serve_compare import (  # noqa: E402
     NamedMode,
     ServerProcess,
     _fmt,
+    add_common_args,
     contention_note,
     ensure_checkpoint,
     free_port,
@@ -116,6 +117,8 @@ async def measured_run(
 
 def server_extra(args: argparse.Namespace, budget: str) -> list[str]:
     extra = ["--visual-budget", budget, "--ttft-slo-ms", f"{args.server_ttft_slo_ms:g}"]
+    if args.slo_tpot_ms and not args.no_server_tpot:
+        extra += ["--tpot-slo-ms", f"{args.slo_tpot_ms:g}"]  # both runs: prefill beside streams fits the SLO
     if args.max_queued_requests is not None:
         extra += ["--max-queued-requests", str(args.max_queued_requests)]
     if args.max_queued_tokens is not None:
@@ -395,14 +398,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 12 calibration requests")
-    p.add_argument("--preset", default="small", choices=["tiny", "small"])
-    p.add_argument("--checkpoint-seed", type=int, default=0)
-    p.add_argument("--model", help="serve this checkpoint directory instead of a generated preset")
-    p.add_argument("-n", "--num-requests", type=int, help="requests in the trace (default 48; --quick 24)")
-    p.add_argument("--max-tokens", type=int, help="generated in full (default 64; --quick 32)")
-    p.add_argument("--resolutions", default=load.DEFAULT_RESOLUTIONS)
-    p.add_argument("--formats", default="jpeg,png")
-    p.add_argument("--seed", type=int, default=0)
+    add_common_args(p, requests="default 48; --quick 24", max_tokens="default 64; --quick 32")
     p.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
     p.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-resolution rate")
     p.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
@@ -419,12 +415,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--server-ttft-slo-ms", type=float, help="the server's --ttft-slo-ms (default: --slo-ttft-ms)"
     )
+    p.add_argument(
+        "--no-server-tpot",
+        action="store_true",
+        help="do not pass --slo-tpot-ms to the servers as --tpot-slo-ms (prefill beside decodes uncapped)",
+    )
     p.add_argument("--max-queued-requests", type=int, help="passed to both servers")
     p.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
     p.add_argument("--budgets", default="fixed,adaptive", help="which runs, in order")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--request-timeout-s", type=float, default=900.0)
-    p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "visual_budget"))
     args = p.parse_args(argv)
