@@ -79,7 +79,8 @@ _FAST: dict[torch.dtype, bool] = {}
 
 
 def cpu_matmul_is_fast(dtype: torch.dtype) -> bool:
-    """Whether a ``dtype`` matmul on this CPU is at least as fast as float32 (timed once per process, ~10 ms).
+    """Whether a ``dtype`` matmul on this CPU is at least as fast as float32 (timed once per process: a few ms
+    where the dtype is native, ~0.1 s where it is emulated).
 
     oneDNN runs bfloat16 at several times the float32 rate where the CPU has AMX or AVX512-BF16 and
     emulates it far below the float32 rate where it has neither; a short timing says which without
