@@ -419,31 +419,40 @@ async def drive(
     v1 = base_url + "/v1"
     model = model or await load.discover_model(v1)
     target = load.Target(v1, model, ignore_eos=True, dialect=dialect)
-    if warmup:
-        wt = load._warmup_trace(warmup)
-        wi = load.ImageStore(wt)
-        wi.prepare(1)
-        warm = await load.run_load(
-            wt, wi, target, load.LoadMode(concurrency=1, request_timeout_s=mode.request_timeout_s)
-        )
-        bad = [r for r in warm.records if not r.ok]
-        print(
-            f"  warm-up: {len(warm.records) - len(bad)}/{len(warm.records)} ok, "
-            f"{', '.join(f'{r.e2e_s:.1f}' for r in warm.records)} s",
-            file=sys.stderr,
-            flush=True,
-        )
-        for r in bad[:3]:
-            print(f"  warm-up error: {r.error_kind} {r.status}: {r.error}", file=sys.stderr)
+    await warm_up(target, warmup, mode.request_timeout_s)
     res = await load.run_load(trace, images, target, mode, progress_every_s=15.0)
-    s = load.summarize(
+    return res, summarize_run(res, slo_ttft_ms, slo_tpot_ms), model
+
+
+async def warm_up(target: load.Target, n: int, request_timeout_s: float) -> None:
+    """``n`` unmeasured 224² requests, one at a time; prints how they went."""
+    if not n:
+        return
+    wt = load._warmup_trace(n)
+    wi = load.ImageStore(wt)
+    wi.prepare(1)
+    warm = await load.run_load(
+        wt, wi, target, load.LoadMode(concurrency=1, request_timeout_s=request_timeout_s)
+    )
+    bad = [r for r in warm.records if not r.ok]
+    print(
+        f"  warm-up: {len(warm.records) - len(bad)}/{len(warm.records)} ok, "
+        f"{', '.join(f'{r.e2e_s:.1f}' for r in warm.records)} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    for r in bad[:3]:
+        print(f"  warm-up error: {r.error_kind} {r.status}: {r.error}", file=sys.stderr)
+
+
+def summarize_run(res: load.RunResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+    return load.summarize(
         res.records,
         duration_s=res.duration_s,
         planned=res.planned,
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
     )
-    return res, s, model
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -49,7 +49,9 @@ from benchmarks.serve_compare import (  # noqa: E402
     prepare_images,
     scrape,
     settled_metrics,
+    summarize_run,
     vlmserve_argv,
+    warm_up,
 )
 
 LOG_DIR = OUT_DIR / "visual_budget"
@@ -84,18 +86,7 @@ async def measured_run(
     v1 = base_url + "/v1"
     target = load.Target(v1, await load.discover_model(v1), ignore_eos=True)
     if warmup:
-        wt = load._warmup_trace(warmup)
-        wi = load.ImageStore(wt)
-        wi.prepare(1)
-        warm = await load.run_load(
-            wt, wi, target, load.LoadMode(concurrency=1, request_timeout_s=mode.request_timeout_s)
-        )
-        print(
-            f"  warm-up: {sum(r.ok for r in warm.records)}/{len(warm.records)} ok, "
-            f"{', '.join(f'{r.e2e_s:.1f}' for r in warm.records)} s",
-            file=sys.stderr,
-            flush=True,
-        )
+        await warm_up(target, warmup, mode.request_timeout_s)
         await asyncio.sleep(2.0)  # let the controller see an idle engine again before the trace starts
     samples: list = []
     poller = asyncio.create_task(_poll_levels(base_url, time.perf_counter(), samples))
@@ -105,14 +96,7 @@ async def measured_run(
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
-    s = load.summarize(
-        res.records,
-        duration_s=res.duration_s,
-        planned=res.planned,
-        slo_ttft_ms=slo_ttft_ms,
-        slo_tpot_ms=slo_tpot_ms,
-    )
-    return res, s, samples
+    return res, summarize_run(res, slo_ttft_ms, slo_tpot_ms), samples
 
 
 def server_extra(args: argparse.Namespace, budget: str) -> list[str]:
