@@ -549,13 +549,30 @@ def prepare_images(trace: load.Trace) -> load.ImageStore:
     return images
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def prepare_run(args: argparse.Namespace) -> tuple[Path, load.Trace, load.ImageStore, Path]:
+    """The checkpoint, the trace (saved to the output directory) and its images."""
     model = ensure_checkpoint(args.preset, args.checkpoint_seed, args.model)
     trace = build_trace(args)
     images = prepare_images(trace)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     load.save_trace(trace, out_dir / "trace.json")
+    return model, trace, images, out_dir
+
+
+def results_header(tool: str, args: argparse.Namespace, model: Path, mach: dict) -> dict:
+    """The fields every results.json starts with: what ran, when, where, with which settings."""
+    return {
+        "tool": tool,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": mach,
+        "config": vars(args) | {"checkpoint": str(model)},
+    }
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    model, trace, images, out_dir = prepare_run(args)
     mode = load.LoadMode(concurrency=args.clients, request_timeout_s=args.request_timeout_s)
     log_dir = OUT_DIR / "serve_compare"
 
@@ -644,11 +661,7 @@ def run_compare(args: argparse.Namespace) -> int:
     mach = machine()
     failed = {k: v["summary"]["failed"] for k, v in runs.items()}
     body = {
-        "tool": "benchmarks/serve_compare.py",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": mach,
-        "config": vars(args) | {"checkpoint": str(model)},
+        **results_header("benchmarks/serve_compare.py", args, model, mach),
         "trace": {"digest": trace.digest(), "spec": trace.spec, "path": "trace.json"},
         "ratios": ratios,
         "targets": {"request_throughput": ">= 4", "ttft_p50": "<= 0.5"},
@@ -706,12 +719,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def run_overload(args: argparse.Namespace) -> int:
     """vlmserve alone with admission bounds, at a rate it cannot sustain: only fast 503s, no leaked block."""
-    model = ensure_checkpoint(args.preset, args.checkpoint_seed, args.model)
-    trace = build_trace(args)
-    images = prepare_images(trace)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    load.save_trace(trace, out_dir / "trace.json")
+    model, trace, images, out_dir = prepare_run(args)
     mode = load.LoadMode(rate=args.rate, request_timeout_s=args.request_timeout_s)
     extra = [
         "--max-queued-requests",
@@ -776,11 +784,7 @@ def run_overload(args: argparse.Namespace) -> int:
     print("\n".join(lines), flush=True)
     mach = machine()
     body = {
-        "tool": "benchmarks/serve_compare.py --overload",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": mach,
-        "config": vars(args) | {"checkpoint": str(model)},
+        **results_header("benchmarks/serve_compare.py --overload", args, model, mach),
         "argv": argv,
         "startup_s": server.startup_s,
         "trace": {"digest": trace.digest(), "spec": trace.spec, "path": "trace.json"},

@@ -47,6 +47,7 @@ from benchmarks.serve_compare import (  # noqa: E402
     free_port,
     machine,
     prepare_images,
+    results_header,
     scrape,
     settled_metrics,
     summarize_run,
@@ -328,11 +329,7 @@ def main_run(args: argparse.Namespace) -> int:
 
     mach = machine()
     body = {
-        "tool": "benchmarks/visual_budget.py",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "machine": mach,
-        "config": vars(args) | {"checkpoint": str(model)},
+        **results_header("benchmarks/visual_budget.py", args, model, mach),
         "calibration": calib,
         "sustainable_rate": sustainable,
         "offered_rate": rate,
