@@ -25,7 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (default: measured)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     g = p.add_argument_group("vision path")
     g.add_argument(
         "--preprocess-workers",

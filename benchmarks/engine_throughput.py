@@ -192,7 +192,9 @@ def run_engine(model: Path, convs, max_tokens: int, args, warmup) -> tuple[Resul
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.prefix_caching,
+        attention_backend=args.attention_backend,
     )
+    print(f"  engine attention backend: {llm.engine.runner.backend.name}", flush=True)
     llm.chat(warmup, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     print(f"  engine load + warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -421,6 +423,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "cpu"], help="the engine's"
+    )
     parser.add_argument("--skip-hf-single", action="store_true", help="the slowest mode; skip when iterating")
     parser.add_argument("--engine-only", action="store_true", help="no transformers modes (profiling)")
     parser.add_argument(

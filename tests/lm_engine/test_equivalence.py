@@ -125,6 +125,11 @@ def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
         assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_no_prefix_caching_matches(tiny_ckpt, references):
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=2048, enable_prefix_caching=False)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_no_prefix_caching_matches(tiny_ckpt, references, backend):
+    """Both CPU attention backends: plain torch (gather + SDPA) and the compiled decode kernel."""
+    llm = LLM(
+        str(tiny_ckpt), max_num_batched_tokens=2048, enable_prefix_caching=False, attention_backend=backend
+    )
+    assert llm.engine.runner.backend.name == backend
     assert_matches(llm.chat(mixed_requests(), GREEDY), references)

@@ -1,0 +1,168 @@
+"""Compiled CPU kernels: built from ``csrc/`` with the system C compiler on first use, loaded with ctypes.
+
+The build is cached under ``$VLMSERVE_KERNEL_CACHE`` (default ``~/.cache/vlmserve/kernels``), keyed by
+the source, the flags, the compiler and this CPU's feature flags (the code is built for ``-march=native``),
+so a cache shared between machines never hands a library to a CPU it was not built for. Without a
+compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and callers keep the torch
+path. ctypes releases the GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("vlmserve.engine")
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread"]
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
+            + [platform.machine().encode()]
+        )
+    ).hexdigest()[:20]
+    out = cache_dir() / f"{_SOURCE.stem}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name and rename: concurrent first uses (test workers, replicas) never load a
+    # half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {_SOURCE.name}:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s with %s -> %s", _SOURCE.name, cc, out)
+    return out
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or ``None`` (disabled, no compiler, or the build failed: logged once)."""
+    if os.environ.get("VLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cc = os.environ.get("CC", "cc").split()[0]
+    if not shutil.which(cc):
+        log.warning("no C compiler (%s): CPU decode attention stays on the torch path", cc)
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
+        return None
+    fn = lib.vlm_paged_decode_f32
+    fn.restype = ctypes.c_int
+    # q, k_cache, v_cache, tables, table_stride, lens, out, seqs, heads, kv_heads, head_dim, block, scale, threads
+    fn.argtypes = [_PTR] * 4 + [_I64, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, _I64]
+    return lib
+
+
+# The kernel's own limits (csrc/paged_decode.c); outside them callers use the torch path.
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 64, 256, 256
+
+# Below this much work (context tokens × KV heads) waking the pool's threads costs more than it saves.
+_PARALLEL_MIN_WORK = 4096
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    h, d = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[2]
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k_cache.dtype == torch.float32
+        and h % kvh == 0
+        and h // kvh <= MAX_GROUP
+        and d % 8 == 0
+        and d <= MAX_HEAD_DIM
+        and k_cache.shape[1] <= MAX_BLOCK
+    )
+
+
+def paged_decode(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context: int,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """The compiled paged decode: same contract as ``torch_backend.paged_decode``, blocks read in place.
+
+    ``num_threads`` defaults to torch's intra-op thread count, or 1 when the work is too small to share."""
+    s, h, d = q.shape
+    block_size, kvh = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged decode needs contiguous KV caches")
+    if max_context > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"context of {max_context} tokens exceeds the block table ({block_tables.shape[1]} blocks)"
+        )
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    work = max_context * s * kvh  # an upper bound of the tokens × KV heads read
+    if num_threads is None:
+        num_threads = torch.get_num_threads() if work >= _PARALLEL_MIN_WORK else 1
+    rc = lib.vlm_paged_decode_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        out.data_ptr(),
+        s,
+        h,
+        kvh,
+        d,
+        block_size,
+        scale,
+        max(1, int(num_threads)),
+    )
+    if rc != 0:
+        raise ValueError(f"paged decode kernel refused its arguments (code {rc})")
+    return out

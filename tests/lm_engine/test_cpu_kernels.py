@@ -1,0 +1,143 @@
+"""The compiled CPU decode kernel against the torch backend's gather + SDPA decode."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from lm_engine.attention import CpuBackend, TorchBackend, cpu_kernels, get_backend
+from lm_engine.attention.torch_backend import paged_decode
+
+LIB = cpu_kernels.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel could not be built")
+
+
+def _case(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, spare=5):
+    """Random paged caches; each sequence owns shuffled blocks, the table's tail holds foreign block ids."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + spare
+    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.randint(num_blocks, (len(lens), max(need) + 2), generator=gen, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[start : start + n].int()
+        start += n
+    q = (torch.randn(len(lens), num_heads, head_dim, generator=gen) * 2).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+SHAPES = [
+    # (lens, heads, kv heads, head_dim, block_size): the small preset's shape, MHA, an odd group with a
+    # head_dim that is not a multiple of 64 (the kernel's tail loops), one-token blocks, long contexts.
+    ([1, 16, 17, 100, 1403, 640], 12, 2, 64, 16),
+    ([5, 33, 64], 8, 8, 128, 16),
+    ([7, 300, 301], 14, 2, 72, 32),
+    ([1, 2, 9], 4, 1, 8, 1),
+    ([2048, 1500, 3], 16, 4, 64, 16),
+]
+
+
+@pytest.mark.parametrize("lens,h,kvh,d,bs", SHAPES)
+def test_kernel_matches_torch_decode(lens, h, kvh, d, bs):
+    q, k, v, tables, ctx = _case(len(lens) * 31 + d, lens, h, kvh, d, bs)
+    scale = d**-0.5
+    ref = paged_decode(q, k, v, tables, ctx, scale)
+    got = cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
+    torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_threads_do_not_change_the_result():
+    q, k, v, tables, ctx = _case(3, [900, 5, 1200, 77, 640, 33], 12, 2, 64, 16)
+    outs = [
+        cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1200, num_threads=n) for n in (1, 2, 3)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_large_scores_do_not_overflow():
+    """Scores in the hundreds: the running max keeps every exponent <= 0."""
+    q, k, v, tables, ctx = _case(5, [50, 400], 4, 2, 16, 16)
+    ref = paged_decode(q * 40, k, v, tables, ctx, 1.0)
+    got = cpu_kernels.paged_decode(LIB, q * 40, k, v, tables, ctx, 1.0, 400)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_backend_falls_back_outside_the_kernel():
+    backend = CpuBackend(LIB)
+    for dtype, d in ((torch.bfloat16, 64), (torch.float32, 12)):  # not float32; head_dim % 8 != 0
+        q, k, v, tables, ctx = _case(7, [20, 70], 4, 2, d, 16, dtype=dtype)
+        assert not cpu_kernels.supports(q, k)
+        got = backend.decode(q, k, v, tables, ctx, 0.3, 70)
+        assert torch.equal(got, paged_decode(q, k, v, tables, ctx, 0.3, 70))
+
+
+def test_context_beyond_the_block_table_is_refused():
+    q, k, v, tables, ctx = _case(9, [20, 40], 4, 2, 16, 16)
+    narrow = tables[:, :1]  # one block per sequence, but contexts of 20 and 40 tokens
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 40)
+
+
+def _decode_in_child(conn):
+    try:
+        # NOTE: torch's own OpenMP threads do not survive fork either; the reference runs on one thread.
+        torch.set_num_threads(1)
+        q, k, v, tables, ctx = _case(11, [800, 900, 700, 1000], 12, 2, 64, 16)
+        got = cpu_kernels.paged_decode(cpu_kernels.load(), q, k, v, tables, ctx, 0.125, 1000, num_threads=2)
+        conn.send(bool(torch.allclose(got, paged_decode(q, k, v, tables, ctx, 0.125), atol=2e-6)))
+    except Exception as exc:  # report, do not hang the parent
+        conn.send(repr(exc))
+
+
+def test_pool_works_after_fork():
+    """The kernel's thread pool exists in the parent; a forked child (no threads but its own) must
+    start a fresh pool instead of waiting on threads it does not have."""
+    q, k, v, tables, ctx = _case(13, [800, 900, 700, 1000], 12, 2, 64, 16)
+    cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1000, num_threads=2)  # the parent's pool
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_decode_in_child, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(30), "the forked child hung in the kernel"
+        assert parent.recv() is True
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_get_backend_choices(monkeypatch, tmp_path, caplog):
+    assert isinstance(get_backend("cpu", "auto"), CpuBackend)
+    assert isinstance(get_backend("cpu", "torch"), TorchBackend)
+    assert not isinstance(get_backend("cpu", "torch"), CpuBackend)
+    monkeypatch.setenv("VLMSERVE_KERNEL_CACHE", str(tmp_path))
+    try:
+        # A compiler that fails: auto falls back to torch with a warning, "cpu" refuses to start.
+        monkeypatch.setenv("CC", "false")
+        cpu_kernels.load.cache_clear()
+        with caplog.at_level(logging.WARNING, logger="vlmserve.engine"):
+            backend = get_backend("cpu", "auto")
+        assert type(backend) is TorchBackend
+        assert "kernel unavailable" in caplog.text
+        with pytest.raises(RuntimeError, match="did not build"):
+            get_backend("cpu", "cpu")
+        assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+        # Switched off.
+        monkeypatch.setenv("CC", "cc")
+        monkeypatch.setenv("VLMSERVE_CPU_KERNELS", "0")
+        cpu_kernels.load.cache_clear()
+        assert type(get_backend("cpu", "auto")) is TorchBackend
+        # A fresh build into an empty cache works and lands there.
+        monkeypatch.delenv("VLMSERVE_CPU_KERNELS")
+        cpu_kernels.load.cache_clear()
+        assert isinstance(get_backend("cpu", "auto"), CpuBackend)
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
+    finally:
+        cpu_kernels.load.cache_clear()
