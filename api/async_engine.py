@@ -319,8 +319,17 @@ class AsyncEngine:
             for request_id, _ in failed:
                 self.engine.abort(request_id)
             err = EngineFailure(f"the engine failed while running this request: {type(exc).__name__}")
-            self._post(self._deliver, [(stream, err) for _, stream in failed])
-            self.engine.check_integrity()  # an AssertionError here ends the thread: /health turns not ready
+            items = [(stream, err) for _, stream in failed]
+            try:
+                self.engine.check_integrity()
+            except BaseException:
+                # Broken invariants end the thread. Mark it not alive before any client hears of the
+                # failure, so a /health sent right after the error already reads not ready.
+                with self._cv:
+                    self._stop = True
+                self._post(self._deliver, items)
+                raise
+            self._post(self._deliver, items)
             return
         items = []
         for out in outputs:

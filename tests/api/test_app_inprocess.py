@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -107,6 +108,8 @@ def test_engine_thread_death_turns_health_not_ready(tiny_ckpt):
             raise RuntimeError("simulated fault")
 
         def broken_invariants():
+            # Slow, so that a server answering the request before it marks the thread dead is caught.
+            time.sleep(0.3)
             raise AssertionError("simulated corrupt block table")
 
         engine.step = broken_step

@@ -1,13 +1,14 @@
 /* Paged decode attention for the CPU, float32: one query token per sequence against its paged KV.
  *
  * Layout (all contiguous): q and out [S, H, D]; k_cache and v_cache [num_blocks, block_size, KVH, D];
- * block_tables [S, table_stride] int32; context_lens [S] int32. Query heads g*G .. g*G+G-1 share KV
- * head g (G = H / KVH). Each (sequence, KV head) is one unit of work: it reads its blocks once, in
+ * block_tables [S, table_stride] int32; context_lens [S] int32. KV head j serves query heads
+ * j*G .. j*G+G-1 (G = H / KVH). Each (sequence, KV head) is one unit of work: it reads its blocks once, in
  * place, with an online softmax, so nothing is gathered or padded to the longest sequence. Units are
  * handed out through an atomic counter to the caller and up to `num_threads - 1` pool threads.
  *
- * Built by lm_engine/attention/cpu_kernels.py with `cc -O3 -march=native -fopenmp-simd`; called
- * through ctypes (which releases the GIL). Returns 0, or a negative code for arguments it refuses.
+ * Built by lm_engine/attention/cpu_kernels.py with `cc -O3 -march=native -ffp-contract=fast` (no
+ * -ffast-math: IEEE semantics everywhere but FMA contraction); called through ctypes, which releases
+ * the GIL. Returns 0, or a negative code for arguments it refuses.
  */
 #include <math.h>
 #include <pthread.h>
