@@ -74,6 +74,7 @@ class ModelRunner:
         self.vision.load_weights(model_dir)
         self.vision.eval()
         self.backend = get_backend(device, attention_backend)
+        log.info("attention backend: %s (asked for %s)", self.backend.name, attention_backend)
         self.num_blocks = self._size_kv_pool(
             num_kv_blocks,
             kv_cache_memory,
