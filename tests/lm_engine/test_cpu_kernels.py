@@ -83,6 +83,8 @@ def test_context_beyond_the_block_table_is_refused():
     narrow = tables[:, :1]  # one block per sequence, but contexts of 20 and 40 tokens
     with pytest.raises(ValueError, match="exceeds the block table"):
         cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 40)
+    with pytest.raises(ValueError, match="exceeds the block table"):  # an understated max_context too
+        cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 16)
 
 
 def _decode_in_child(conn):
