@@ -65,3 +65,8 @@ class VisionPathCollector(Collector):
                 "Preprocess workers replaced after dying.",
                 value=ps.worker_restarts,
             )
+            yield CounterMetricFamily(
+                "vlmserve_preprocess_copied_results",
+                "Results copied out of shared memory because their worker's leases were all taken.",
+                value=ps.copied,
+            )

@@ -60,7 +60,7 @@ class EncoderStats:
 @dataclass(slots=True)
 class _Pending:
     key: str
-    patches: np.ndarray
+    patches: np.ndarray | None  # None once handed to the vision tower
     grid: tuple[int, int, int]
     ekey: object
 
@@ -187,12 +187,21 @@ class VisionPipeline:
                 return
             try:
                 t0 = time.perf_counter()
-                pixels = torch.from_numpy(np.concatenate([p.patches for p in batch]))
+                # NOTE: pool results are leased shared memory; a lone image is encoded in place, and
+                # every lease ends here or with the batch, so the worker can reuse its slot.
+                if len(batch) == 1:
+                    pixels = torch.from_numpy(batch[0].patches)
+                else:
+                    pixels = torch.from_numpy(np.concatenate([p.patches for p in batch]))
+                for p in batch:
+                    p.patches = None
                 grids = torch.tensor([p.grid for p in batch])
                 rows = self.encode(pixels, grids)
+                num_patches = pixels.shape[0]
+                del pixels  # the last lease on a lone image's slot
                 lengths = [int(np.prod(p.grid)) // self.merge_size**2 for p in batch]
                 embeddings = [e.clone() for e in rows.split(lengths)]
-                self.stats.record_batch(len(batch), pixels.shape[0], time.perf_counter() - t0)
+                self.stats.record_batch(len(batch), num_patches, time.perf_counter() - t0)
             except Exception as exc:
                 log.exception("vision tower failed on a batch of %d images", len(batch))
                 for p in batch:

@@ -3,14 +3,19 @@
 Each worker process has one pipe and one parent-side thread that feeds it one request at a
 time, so a worker that dies or hangs fails exactly the request it held; its thread starts a
 replacement and carries on. (concurrent.futures.ProcessPoolExecutor would instead fail every
-pending request with BrokenProcessPool.) Patches come back through the worker's shared-memory
-arena (see worker.py): only shape and grid are pickled, the parent copies the patches out, and
-the parent unlinks every segment a worker created once it is outgrown or the worker is gone.
+pending request with BrokenProcessPool.) Patches come back in one of the worker's shared-memory
+slots (see worker.py): only shape and grid are pickled, and the caller gets an array over the slot
+itself, no copy. The slot is leased: it goes back to the worker when the last view of that array
+(numpy or torch) is gone. A worker holds at most `leases_per_worker` leases; a result beyond that
+is copied out, so a consumer that hoards results cannot pin unbounded shared memory. The parent
+unlinks every segment: retired ones at once, the rest when the worker stops or dies (mappings
+still leased stay valid until released).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -30,7 +35,7 @@ import numpy as np
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
 from preprocess.image import PixelPatches
-from preprocess.worker import READY, arena_name, worker_main
+from preprocess.worker import READY, slot_name, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,8 @@ class PoolStats:
     images: int = 0
     errors: int = 0
     worker_restarts: int = 0
-    total_seconds: float = 0.0  # parent-side wall time per request: send, preprocess, copy out
+    total_seconds: float = 0.0  # parent-side wall time per request: send, preprocess, reply
+    copied: int = 0  # results copied out because their worker had leases_per_worker outstanding
 
     @property
     def mean_seconds(self) -> float:
@@ -67,6 +73,7 @@ class PreprocessPool:
     start_method is "forkserver" (default; restarts are fast forks of a preloaded server) or
     "spawn". Never "fork": the parent runs torch threads. timeout_s bounds one image; a worker
     over it is killed and replaced. on_latency(seconds) is called after every request.
+    leases_per_worker bounds the zero-copy results a worker may have outstanding (see above).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class PreprocessPool:
         timeout_s: float | None = 120.0,
         on_latency: Callable[[float], None] | None = None,
         start_method: str = "forkserver",
+        leases_per_worker: int = 4,
         _fault_prefix: bytes | None = None,
     ) -> None:
         if start_method not in ("forkserver", "spawn"):
@@ -83,6 +91,7 @@ class PreprocessPool:
         self.num_workers = num_workers or min(4, os.cpu_count() or 1)
         self.timeout_s = timeout_s
         self.on_latency = on_latency
+        self.leases_per_worker = leases_per_worker
         self.stats = PoolStats()
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
@@ -91,10 +100,10 @@ class PreprocessPool:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
-        self._arena_prefix = f"vlmpp_{os.getpid()}_{os.urandom(4).hex()}"
+        self._slot_prefix = f"vlmpp_{os.getpid()}_{os.urandom(4).hex()}"
         # NOTE: itertools.count, not a generator: worker threads (re)start concurrently, and a
         # generator raises "already executing" when two threads step it at once.
-        self._arena_ids = itertools.count()
+        self._process_ids = itertools.count()
         self._workers = [_Worker(self, i) for i in range(self.num_workers)]
         for w in self._workers:
             w.thread.start()
@@ -179,7 +188,7 @@ class PreprocessPool:
 
 
 class _Worker:
-    """One worker process, the parent thread that owns its pipe, and its arena mapping."""
+    """One worker process, the parent thread that owns its pipe, and the parent's side of its slots."""
 
     def __init__(self, pool: PreprocessPool, index: int) -> None:
         self.pool = pool
@@ -187,9 +196,7 @@ class _Worker:
         self.ready = threading.Event()
         self.proc: mp.process.BaseProcess | None = None
         self.conn: mp.connection.Connection | None = None
-        self.arena_base = ""
-        self.arena_generation = 0  # the newest generation a reply has told us about
-        self.arena: SharedMemory | None = None  # our mapping of that generation
+        self.slots: _Slots | None = None
         self.thread = threading.Thread(target=self._serve, name=f"preprocess-worker-{index}", daemon=True)
 
     def _serve(self) -> None:
@@ -218,9 +225,10 @@ class _Worker:
     def _run(self, job: _Job) -> PixelPatches:
         if self.proc is None or not self.proc.is_alive():
             self._restart()  # died while idle (e.g. the OOM killer): not this request's fault
-        assert self.conn is not None
+        assert self.conn is not None and self.slots is not None
+        slots = self.slots
         try:
-            self.conn.send((job.data, job.config, job.max_pixels))
+            self.conn.send((job.data, job.config, job.max_pixels, slots.take_released()))
             timeout = self.pool.timeout_s
             if not self.conn.poll(timeout):
                 self._kill()
@@ -234,47 +242,20 @@ class _Worker:
                 f"preprocess worker died ({how}) while handling this image; it was replaced"
             ) from None
         finally:
-            if self.proc is None:  # lost mid-request; _reap() already removed its arena
+            if self.proc is None:  # lost mid-request; _reap() already unlinked its slots
                 self._restart_quietly()
-        self._follow_arena(reply[1])
+        slots.follow(reply[1], reply[2])
         if reply[0] == "error":
-            raise reply[2]
-        _, _, shape, grid, _seconds = reply
-        return PixelPatches(patches=self._copy_out(shape), grid_thw=grid)
-
-    def _follow_arena(self, generation: int) -> None:
-        """The worker grew its arena: unlink every older generation."""
-        if generation == self.arena_generation:
-            return
-        self._close_arena()
-        for old in range(max(1, self.arena_generation), generation):
-            _unlink_quietly(arena_name(self.arena_base, old))
-        self.arena_generation = generation
-
-    def _copy_out(self, shape: tuple[int, int]) -> np.ndarray:
-        if self.arena is None:
-            self.arena = SharedMemory(name=arena_name(self.arena_base, self.arena_generation))
-        view = np.ndarray(shape, dtype=np.float32, buffer=self.arena.buf)
-        patches = view.copy()
-        del view  # no export may outlive this call, or the arena could not be closed later
-        return patches
-
-    def _close_arena(self) -> None:
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
-
-    def _drop_arenas(self) -> None:
-        """Unlink the worker's segments: the last one we heard of and the one it may have grown to."""
-        self._close_arena()
-        if self.arena_base:
-            for generation in (self.arena_generation, self.arena_generation + 1):
-                if generation > 0:
-                    _unlink_quietly(arena_name(self.arena_base, generation))
-        self.arena_base, self.arena_generation = "", 0
+            raise reply[3]
+        _, _, _, slot, shape, grid, _seconds = reply
+        patches, copied = slots.hand_out(slot, shape, self.pool.leases_per_worker)
+        if copied:
+            with self.pool._lock:
+                self.pool.stats.copied += 1
+        return PixelPatches(patches=patches, grid_thw=grid)
 
     def _start(self) -> None:
-        base = f"{self.pool._arena_prefix}_{next(self.pool._arena_ids)}"
+        base = f"{self.pool._slot_prefix}_{next(self.pool._process_ids)}"
         parent_conn, child_conn = self.pool._ctx.Pipe(duplex=True)
         proc = self.pool._ctx.Process(
             target=worker_main,
@@ -285,7 +266,7 @@ class _Worker:
         proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         self.proc, self.conn = proc, parent_conn
-        self.arena_base, self.arena_generation = base, 0
+        self.slots = _Slots(base)
         try:
             if parent_conn.recv() != READY:
                 raise RuntimeError("preprocess worker sent an unexpected greeting")
@@ -314,7 +295,7 @@ class _Worker:
         self._reap()
 
     def _reap(self) -> int | None:
-        """Join the worker (no zombie), remove its shared memory and forget it; returns its exit code."""
+        """Join the worker (no zombie), unlink its shared memory and forget it; returns its exit code."""
         self.ready.clear()
         code = None
         if self.proc is not None:
@@ -327,7 +308,9 @@ class _Worker:
         if self.conn is not None:
             self.conn.close()
         self.proc, self.conn = None, None
-        self._drop_arenas()
+        if self.slots is not None:
+            self.slots.abandon()
+            self.slots = None
         return code
 
     def _stop(self) -> None:
@@ -335,6 +318,98 @@ class _Worker:
             with contextlib.suppress(OSError):  # already dead: _reap() collects it
                 self.conn.send(None)
         self._reap()
+
+
+class _Slots:
+    """The parent's side of one worker process's slots: mappings, leases, what to unlink.
+
+    Only the worker's parent thread calls these methods. Leases are released from whichever thread
+    drops the last view, so they only append to a deque that this side drains.
+    """
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.next_id = 1  # the worker's next slot id, as its last reply said
+        self.live: set[int] = set()  # ids below next_id not yet retired
+        self.shms: dict[int, SharedMemory] = {}  # our mappings, kept for reuse (no page faults)
+        self.leased: set[int] = set()
+        self.released: collections.deque[int] = collections.deque()  # appended to by _Lease
+        self._to_free: list[int] = []
+
+    def take_released(self) -> list[int]:
+        """Slots whose leases ended since the last call: the worker may write to them again."""
+        self._collect()
+        ids, self._to_free = self._to_free, []
+        return ids
+
+    def follow(self, next_id: int, retired: list[int]) -> None:
+        self.live.update(range(self.next_id, next_id))
+        self.next_id = next_id
+        for slot in retired:
+            self.live.discard(slot)
+            shm = self.shms.pop(slot, None)
+            if shm is not None:
+                shm.close()  # free slots have no lease, so no view of them exists
+            _unlink_quietly(slot_name(self.base, slot))
+
+    def hand_out(self, slot: int, shape: tuple[int, int], max_leases: int) -> tuple[np.ndarray, bool]:
+        """The result in `slot` as an array over it (leased), or a copy when leases are used up."""
+        shm = self.shms.get(slot)
+        if shm is None:
+            shm = self.shms[slot] = SharedMemory(name=slot_name(self.base, slot))
+        view = np.ndarray(shape, dtype=np.float32, buffer=shm.buf)
+        self._collect()
+        if len(self.leased) >= max_leases:
+            patches = view.copy()
+            self._to_free.append(slot)
+            return patches, True
+        self.leased.add(slot)
+        return np.asarray(_Lease(view, shm, self.released, slot)), False
+
+    def abandon(self) -> None:
+        """The worker is gone: unlink every segment it may have made; close what no lease holds."""
+        self._collect()
+        for slot in self.live | {self.next_id}:
+            shm = self.shms.pop(slot, None)
+            if shm is None:
+                _unlink_quietly(slot_name(self.base, slot))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+            if slot not in self.leased:
+                shm.close()
+            # NOTE: a leased mapping stays open: its _Lease holds it, and closes it with its last view.
+        self.live.clear()
+
+    def _collect(self) -> None:
+        while self.released:
+            slot = self.released.popleft()
+            self.leased.discard(slot)
+            self._to_free.append(slot)
+
+
+class _Lease:
+    """The owner (numpy ``base``) of a result array that lies in a worker's slot.
+
+    numpy keeps it alive through every view, and torch.from_numpy keeps those views alive, so its
+    __del__ runs only when nothing can read the slot any more; then the slot goes back to the worker.
+    """
+
+    __slots__ = ("_view", "_shm", "_released", "_slot")
+
+    def __init__(self, view: np.ndarray, shm: SharedMemory, released: collections.deque, slot: int) -> None:
+        self._view = view
+        self._shm = shm  # keeps the mapping open after the worker is gone
+        self._released = released
+        self._slot = slot
+
+    @property
+    def __array_interface__(self) -> dict:
+        return self._view.__array_interface__
+
+    def __del__(self) -> None:
+        self._view = None  # the buffer export ends before the slot can be reused or closed
+        self._released.append(self._slot)
 
 
 def _unlink_quietly(name: str) -> None:

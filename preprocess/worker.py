@@ -1,11 +1,13 @@
 """The pool's worker process: requests in over a pipe, patches out through shared memory.
 
-Each worker writes its patches into one shared-memory arena that it reuses for every request
-(a worker holds one request at a time, and the parent copies out before sending the next).
-Reuse matters: a fresh tmpfs segment per image costs a page fault and a zeroed page per 4 KiB,
-which measured slower than the preprocessing itself. The arena only grows, as generations
-"<base>_<n>"; the parent owns unlinking: it unlinks a generation once a newer one appears, and
-the last ones when the worker stops or dies.
+A worker writes each result into one of its shared-memory slots and the parent hands that slot
+to the consumer as is (zero-copy); the parent says which slots are free again with the next
+request. Slots are reused because a fresh tmpfs segment costs a page fault and a zeroed page per
+4 KiB, which measured slower than the preprocessing itself. Slots are named "<base>_<id>" with ids
+counting up from 1; the worker creates them (at most one per request) and retires idle ones beyond
+MAX_IDLE_SLOTS, the parent owns unlinking: retired slots at once, the rest when the worker stops
+or dies (every id below the reply's next_id, and next_id itself, which a dying request may have
+just created).
 """
 
 from __future__ import annotations
@@ -24,45 +26,71 @@ from preprocess.errors import PreprocessError
 from preprocess.image import preprocess_into
 
 READY = "ready"
+MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
 _MIB = 1 << 20
 
-# ("ok", arena generation, patches shape, grid_thw, seconds) or ("error", arena generation, exception).
-# NOTE: one request grows the arena at most once, so after a worker dies the only generation
-# its parent may not have heard of is the one after the last reply.
+# Request: (data, config, max_pixels, released slot ids).
+# Reply: ("ok", next_id, retired ids, slot id, patches shape, grid_thw, seconds)
+#     or ("error", next_id, retired ids, exception).
 Reply = tuple
 
 
-def arena_name(base: str, generation: int) -> str:
-    return f"{base}_{generation}"
+def slot_name(base: str, slot: int) -> str:
+    return f"{base}_{slot}"
 
 
-class Arena:
-    """The worker's growing shared-memory block."""
+class Slots:
+    """The worker's shared-memory slots: which exist, and which the parent has released."""
 
     def __init__(self, base: str) -> None:
         self.base = base
-        self.generation = 0
-        self.shm: SharedMemory | None = None
+        self.next_id = 1
+        self.shms: dict[int, SharedMemory] = {}
+        self.free: set[int] = set()
+        self.retired: list[int] = []
+        self.current: int | None = None  # the slot the request in hand writes to
+
+    def release(self, ids) -> None:
+        self.free.update(i for i in ids if i in self.shms)
 
     def array(self, shape: tuple[int, int]) -> np.ndarray:
         nbytes = math.prod(shape) * 4
-        if self.shm is None or self.shm.size < nbytes:
-            # Grow by at least 25% so slowly rising sizes do not regrow every request.
-            size = max(nbytes, int((self.shm.size if self.shm else 0) * 1.25))
-            size = -(-size // _MIB) * _MIB
-            if self.shm is not None:
-                self.shm.close()  # the parent unlinks it when it sees the new generation
-            self.generation += 1
-            self.shm = SharedMemory(name=arena_name(self.base, self.generation), create=True, size=size)
-        return np.ndarray(shape, dtype=np.float32, buffer=self.shm.buf)
+        fits = [i for i in self.free if self.shms[i].size >= nbytes]
+        if fits:
+            slot = min(fits, key=lambda i: self.shms[i].size)
+            self.free.remove(slot)
+        else:
+            slot = self.next_id
+            self.next_id += 1
+            size = -(-max(nbytes, 1) // _MIB) * _MIB
+            self.shms[slot] = SharedMemory(name=slot_name(self.base, slot), create=True, size=size)
+        self.current = slot
+        while len(self.free) > MAX_IDLE_SLOTS:
+            self._retire(min(self.free, key=lambda i: self.shms[i].size))
+        return np.ndarray(shape, dtype=np.float32, buffer=self.shms[slot].buf)
+
+    def abandon_current(self) -> None:
+        """The request failed after taking a slot: nobody holds it."""
+        if self.current is not None:
+            self.free.add(self.current)
+            self.current = None
+
+    def take_retired(self) -> list[int]:
+        retired, self.retired = self.retired, []
+        return retired
+
+    def _retire(self, slot: int) -> None:
+        self.free.remove(slot)
+        self.shms.pop(slot).close()  # the parent unlinks it when the reply names it
+        self.retired.append(slot)
 
 
-def worker_main(conn: Connection, arena_base: str, fault_prefix: bytes | None = None) -> None:
-    """Serve (data, config, max_pixels) requests until the parent sends None or goes away."""
+def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = None) -> None:
+    """Serve (data, config, max_pixels, released) requests until the parent sends None or goes away."""
     # Ctrl-C reaches the whole process group; shutting workers down is the parent's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_up()
-    arena = Arena(arena_base)
+    slots = Slots(slot_base)
     conn.send(READY)
     while True:
         try:
@@ -71,26 +99,41 @@ def worker_main(conn: Connection, arena_base: str, fault_prefix: bytes | None = 
             return
         if request is None:
             return
-        data, config, max_pixels = request
+        data, config, max_pixels, released = request
+        slots.release(released)
         if fault_prefix is not None and data.startswith(fault_prefix):
-            _inject_fault(data[len(fault_prefix) :], config, max_pixels, arena)
+            _inject_fault(data[len(fault_prefix) :], slots)
         try:
-            conn.send(handle(data, config, max_pixels, arena))
+            conn.send(handle(data, config, max_pixels, slots))
         except OSError:  # the parent is gone
             return
 
 
-def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, arena: Arena) -> Reply:
+def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, slots: Slots) -> Reply:
     start = time.perf_counter()
+    slots.current = None
     try:
-        result = preprocess_into(data, config, max_pixels, arena.array)
-    except PreprocessError as e:
-        # NOTE: a fresh copy without the traceback, whose frames would keep arena views alive.
-        return ("error", arena.generation, PreprocessError(e.code, e.message))
+        result = preprocess_into(data, config, max_pixels, slots.array)
     except Exception as e:
-        # Rebuilt as a plain RuntimeError so the reply always unpickles in the parent.
-        return ("error", arena.generation, RuntimeError(f"preprocess failed: {type(e).__name__}: {e}"))
-    return ("ok", arena.generation, result.patches.shape, result.grid_thw, time.perf_counter() - start)
+        slots.abandon_current()
+        if isinstance(e, PreprocessError):
+            # NOTE: a fresh copy without the traceback, whose frames would keep slot views alive.
+            error: Exception = PreprocessError(e.code, e.message)
+        else:
+            # Rebuilt as a plain RuntimeError so the reply always unpickles in the parent.
+            error = RuntimeError(f"preprocess failed: {type(e).__name__}: {e}")
+        return ("error", slots.next_id, slots.take_retired(), error)
+    shape, grid = result.patches.shape, result.grid_thw
+    del result  # no view of the slot outlives the request: the slot may be retired later
+    return (
+        "ok",
+        slots.next_id,
+        slots.take_retired(),
+        slots.current,
+        shape,
+        grid,
+        time.perf_counter() - start,
+    )
 
 
 def _warm_up() -> None:
@@ -104,15 +147,15 @@ def _warm_up() -> None:
     torch.set_num_threads(1)
 
 
-def _inject_fault(kind: bytes, config: PreprocessConfig, max_pixels: int | None, arena: Arena) -> None:
+def _inject_fault(kind: bytes, slots: Slots) -> None:
     """Test-only (enabled by the pool's _fault_prefix): die or hang like a broken decoder would.
 
-    "late-exit" grows the arena to a generation the parent has never heard of, writes into it and
-    dies, so the parent's clean-up must find that segment by name.
+    "late-exit" creates a slot the parent has never heard of, writes into it and dies, so the
+    parent's clean-up must find that segment by name.
     """
     if kind.startswith(b"late-exit"):
-        size = arena.shm.size // 4 + 1 if arena.shm is not None else 1
-        arena.array((1, size))[:] = 1.0
+        biggest = max((shm.size for shm in slots.shms.values()), default=0)
+        slots.array((1, biggest // 4 + 1))[:] = 1.0
         os._exit(3)
     if kind.startswith(b"exit"):
         os._exit(3)

@@ -287,3 +287,6 @@ def test_models_health_and_metrics(client, guarded_server):
     # The vision path's collector: images went through the batched encoder.
     assert m["vlmserve_encoder_images_total"] > 0 and m["vlmserve_encoder_batches_total"] > 0
     assert m["vlmserve_encoder_batch_images_count"] > 0
+    # The preprocess pool's counters (copies happen only when the encoder falls behind).
+    assert m["vlmserve_preprocess_images_total"] > 0
+    assert m["vlmserve_preprocess_copied_results_total"] >= 0

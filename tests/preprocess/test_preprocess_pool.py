@@ -9,15 +9,17 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError, preprocess
+from preprocess.worker import MAX_IDLE_SLOTS
 
 FAULT = b"\x00VLMSERVE-TEST-FAULT:"
 
 
 def _our_segments(pool: PreprocessPool) -> set[str]:
     # NOTE: only this pool's segments: other pools on the machine (a server, a benchmark) have their own.
-    return {name for name in os.listdir("/dev/shm") if name.startswith(pool._arena_prefix + "_")}
+    return {name for name in os.listdir("/dev/shm") if name.startswith(pool._slot_prefix + "_")}
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +85,88 @@ def test_dead_worker_fails_only_its_request(pool, images, config, fault):
 
 
 def test_shared_memory_is_bounded_and_cleaned_up(pool, images, config):
-    # Small, then larger budgets: each worker's arena grows, and outgrown segments must go.
+    # Small, then larger budgets, results dropped at once: each worker reuses its slots, creates
+    # bigger ones as needed and retires idle ones beyond MAX_IDLE_SLOTS, which must be unlinked.
     for budget in (28 * 28 * 16, None, 2048 * 2048):
         for data in images:
             pool.run(data, config, budget)
     live = _our_segments(pool)
-    assert 0 < len(live) <= pool.num_workers  # one arena per worker, nothing per request
+    assert 0 < len(live) <= pool.num_workers * (MAX_IDLE_SLOTS + 1), live
     with pytest.raises(PreprocessError):
         pool.run(images[0][:500], config)  # truncated: fails inside the worker
-    # A worker grows its arena to a segment the parent has never heard of, then dies:
-    # the parent must find and unlink it, and the dead worker's old arena too.
+    # A worker creates a segment the parent has never heard of, then dies:
+    # the parent must find and unlink it, and the dead worker's older segments too.
     with pytest.raises(PreprocessWorkerError):
         pool.run(FAULT + b"late-exit", config)
     after = _our_segments(pool)
     assert after < live, (after, live)
     assert pool.run(images[1], config).grid_thw == preprocess(images[1], config).grid_thw
+
+
+def _mapped_segments(array: np.ndarray) -> set[str]:
+    """Names of the /dev/shm files whose mapping in this process holds `array`'s first byte."""
+    address = array.ctypes.data
+    names = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi and len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                names.add(fields[5][len("/dev/shm/") :])
+    return names
+
+
+def test_results_are_leased_slots_not_copies(images, config):
+    # One worker, so every result comes from the same set of slots.
+    with PreprocessPool(1, leases_per_worker=3) as p:
+        want = [preprocess(data, config) for data in images]
+        held = [p.run(data, config) for data in images[:3]]
+        for got in held:
+            # The array lies in one of this pool's shared-memory segments: handed over, not copied.
+            assert _mapped_segments(got.patches) & _our_segments(p), "result is not in a pool slot"
+            assert not got.patches.flags.owndata
+        over = p.run(images[3], config)  # a fourth lease would exceed leases_per_worker
+        assert over.patches.flags.owndata and not _mapped_segments(over.patches)
+        assert p.stats.copied == 1
+        assert np.array_equal(over.patches, want[3].patches)
+
+        # Leased slots are never written while held: more requests, and the held results stay intact.
+        tensor = torch.from_numpy(held[0].patches[5:])  # a view of a view keeps the lease too
+        first = held[0].patches.copy()
+        del held[0]
+        for data in images * 2:
+            p.run(data, config)
+        assert torch.equal(tensor, torch.from_numpy(first[5:]))
+        for got, w in zip(held, want[1:3]):
+            assert np.array_equal(got.patches, w.patches)
+
+        # Released leases go back to the worker: a long stream of dropped results creates nothing.
+        del held, tensor, got  # (got: the loop variable above holds a result too)
+        p.run(images[0], config)  # carries the releases to the worker
+        segments = _our_segments(p)
+        for data in images * 3:
+            p.run(data, config)
+        assert _our_segments(p) <= segments
+        assert len(segments) <= MAX_IDLE_SLOTS + 1
+        copied = p.stats.copied
+        assert [p.run(data, config).patches.flags.owndata for data in images] == [False] * 4
+        assert p.stats.copied == copied
+
+        kept = p.run(images[1], config)
+    # The pool is closed and its segments unlinked, yet a result still held stays readable.
+    assert not _our_segments(p)
+    assert np.array_equal(kept.patches, want[1].patches)
+
+
+def test_a_lease_outlives_its_dead_worker(pool, images, config):
+    kept = pool.run(images[1], config)
+    name = _mapped_segments(kept.patches) & _our_segments(pool)
+    assert name
+    for _ in range(pool.num_workers):  # each worker dies once; one of them held our slot
+        with pytest.raises(PreprocessWorkerError):
+            pool.run(FAULT + b"exit", config)
+    assert not (name & _our_segments(pool))  # unlinked with its worker
+    assert np.array_equal(kept.patches, preprocess(images[1], config).patches)
 
 
 def test_hung_worker_is_killed_after_timeout(pool, images, config):
