@@ -23,7 +23,7 @@ import numpy as np
 
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessError
-from preprocess.image import preprocess_into
+from preprocess.image import _patchify_kernel, preprocess_into
 
 READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
@@ -145,6 +145,7 @@ def _warm_up() -> None:
     except ImportError:
         return
     torch.set_num_threads(1)
+    _patchify_kernel()  # loads (or builds, once per machine) the compiled normalize + patchify
 
 
 def _inject_fault(kind: bytes, slots: Slots) -> None:

@@ -1,93 +1,30 @@
-"""Compiled CPU kernels: built from ``csrc/`` with the system C compiler on first use, loaded with ctypes.
+"""The compiled CPU paged decode attention kernel (``csrc/paged_decode.c``), loaded with ctypes.
 
-The build is cached under ``$VLMSERVE_KERNEL_CACHE`` (default ``~/.cache/vlmserve/kernels``), keyed by
-the source, the flags, the compiler and this CPU's feature flags (the code is built for ``-march=native``),
-so a cache shared between machines never hands a library to a CPU it was not built for. Without a
-compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and callers keep the torch
-path. ctypes releases the GIL for the call.
+Built on first use by :mod:`preprocess.native` (the system C compiler, cached on disk); without a
+compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the engine keeps the
+torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("vlmserve.engine")
+from preprocess.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            [_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
-            + [platform.machine().encode()]
-        )
-    ).hexdigest()[:20]
-    out = cache_dir() / f"{_SOURCE.stem}-{key}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Compile to a private name and rename: concurrent first uses (test workers, replicas) never load a
-    # half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {_SOURCE.name}:\n{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("built %s with %s -> %s", _SOURCE.name, cc, out)
-    return out
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled library, or ``None`` (disabled, no compiler, or the build failed: logged once)."""
-    if os.environ.get("VLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    cc = os.environ.get("CC", "cc").split()[0]
-    if not shutil.which(cc):
-        log.warning("no C compiler (%s): CPU decode attention stays on the torch path", cc)
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("CPU attention kernel unavailable, using the torch path: %s", exc)
+    """The compiled paged decode library, or ``None`` (see :func:`load_library`)."""
+    lib = load_library(_SOURCE)
+    if lib is None:
         return None
     fn = lib.vlm_paged_decode_f32
     fn.restype = ctypes.c_int

@@ -1,0 +1,89 @@
+"""C sources compiled with the system compiler on first use and loaded with ctypes.
+
+Shared by preprocess (csrc/patchify.c) and the engine's CPU attention kernel
+(lm_engine/attention/csrc/paged_decode.c). It lives here, not in lm_engine, so a preprocess worker
+loads its kernel without importing the engine. A build is cached under ``$VLMSERVE_KERNEL_CACHE``
+(default ``~/.cache/vlmserve/kernels``), keyed by the source, the flags, the compiler and this CPU's
+feature flags (the code is built for ``-march=native``), so a cache shared between machines never
+hands a library to a CPU it was not built for. Without a compiler, or with ``VLMSERVE_CPU_KERNELS=0``,
+:func:`load_library` returns ``None`` and callers keep their torch/numpy path. ctypes releases the
+GIL for the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("vlmserve.kernels")
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fPIC", "-shared", "-pthread"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
+
+
+def _build(cc: str, source: Path) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(
+        b"\0".join(
+            [source.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
+            + [platform.machine().encode()]
+        )
+    ).hexdigest()[:20]
+    out = cache_dir() / f"{source.stem}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Compile to a private name and rename: concurrent first uses (test workers, replicas) never load a
+    # half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed on {source.name}:\n{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s with %s -> %s", source.name, cc, out)
+    return out
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """The library built from ``source``, or ``None`` (disabled, no compiler, or the build failed: logged).
+
+    Not cached here: each caller caches its own (and sets the argtypes) behind ``functools.cache``."""
+    if os.environ.get("VLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cc = os.environ.get("CC", "cc").split()[0]
+    if not shutil.which(cc):
+        log.warning("no C compiler (%s): no %s kernel, using the slower fallback path", cc, source.stem)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc, source)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("%s kernel unavailable, using the slower fallback path: %s", source.stem, exc)
+        return None
