@@ -160,6 +160,10 @@ def measure(args: argparse.Namespace) -> dict:
         worker_pids.extend(pool.worker_pids())
         info["pool_identical"] = all(np.array_equal(r.patches, x) for r, x in zip(pooled, refs))
         info["max_abs_diff"] = max(float(np.abs(r.patches - x).max()) for r, x in zip(pooled, refs))
+        # NOTE: results lease their worker's shared memory; held ones would make the timed passes
+        # fall back to copying (beyond leases_per_worker), which is not how the encoder uses the pool.
+        del pooled
+        copied_before = pool.stats.copied
         busy = []
         for _ in range(args.rounds):
             busy.append(wait_idle(args.wait_idle))
@@ -170,6 +174,7 @@ def measure(args: argparse.Namespace) -> dict:
             timed("hf_1t", lambda: each(hf_one, stream), 1)
             timed("hf", lambda: each(hf_one, stream))
             timed("inproc", lambda: each(lambda d: preprocess(d, config), stream))
+        info["pool_copied"] = pool.stats.copied - copied_before
 
     info.update({f"{k}_rate": len(stream) / v for k, v in best.items()})
     # CPU time per image (median over rounds; the pool's includes its workers): unlike wall time
@@ -309,6 +314,7 @@ def print_single(info: dict) -> None:
         print(
             f"{label:62} {info[key + '_rate']:9.1f} {info[key + '_others']:7.0%} {info[key + '_cpu_ms']:13.1f}"
         )
+    print(f"pool results copied out of shared memory in the timed passes: {info['pool_copied']}")
     print("(images/s: best pass; others: CPU share other processes took during that pass; CPU ms/image:")
     print(" median over passes, this process's threads plus the pool's workers)")
     inproc = max(info["inproc_rate"], info["inproc_1t_rate"])

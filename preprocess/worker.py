@@ -23,7 +23,7 @@ import numpy as np
 
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessError
-from preprocess.image import _patchify_kernel, preprocess_into
+from preprocess.image import _patchify_kernel, pil_resize_matches_torchvision, preprocess_into
 
 READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
@@ -146,6 +146,7 @@ def _warm_up() -> None:
         return
     torch.set_num_threads(1)
     _patchify_kernel()  # loads (or builds, once per machine) the compiled normalize + patchify
+    pil_resize_matches_torchvision()  # settles, once, whether resize may use PIL's (faster) code
 
 
 def _inject_fault(kind: bytes, slots: Slots) -> None:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import PIL
 import pytest
 from PIL import Image
 
 from preprocess import PreprocessConfig, num_visual_tokens, plan_grid, preprocess, probe
+from preprocess import image as image_mod
 
 TOL = 1e-5
 KINDS = (
@@ -78,6 +80,40 @@ def test_torchvision_backend_is_bit_identical(resample, hf_reference):
         pixel_values, grid = hf_reference(buf.getvalue(), config, max_pixels)
         assert ours.grid_thw == grid
         assert np.array_equal(ours.patches, pixel_values), (width, height, resample)
+
+
+def test_pil_resize_stands_in_for_torchvision_only_where_exact(monkeypatch):
+    """resize() may run PIL's resampler (pillow-simd: the same fixed-point arithmetic as torch's
+    uint8 kernels, ~1.7x faster); it must then give torchvision's exact bytes."""
+    if ".post" in PIL.__version__:  # pillow-simd: the fast path must really be in use here
+        assert image_mod.pil_resize_matches_torchvision()
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        h, w = rng.integers(1, 300, 2)
+        th, tw = rng.integers(1, 400, 2)
+        im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        for resample in ("bicubic", "bilinear", "lanczos", "nearest"):
+            config = PreprocessConfig(resample=resample)
+            want = image_mod._resize_torchvision(im, (th, tw), resample)
+            assert np.array_equal(image_mod.resize(im, (th, tw), config), want), (h, w, th, tw, resample)
+
+    # A PIL whose resize rounds differently is caught by the check and never used.
+    real = Image.Image.resize
+    monkeypatch.setattr(
+        Image.Image, "resize", lambda self, *a, **k: real(self, *a, **k).point(lambda v: v ^ 1)
+    )
+    image_mod.pil_resize_matches_torchvision.cache_clear()
+    try:
+        assert not image_mod.pil_resize_matches_torchvision()
+        im = Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8))
+        want = image_mod._resize_torchvision(im, (28, 56), "bicubic")
+        assert np.array_equal(image_mod.resize(im, (28, 56), PreprocessConfig()), want)
+        monkeypatch.undo()
+        monkeypatch.setenv("VLMSERVE_PIL_RESIZE", "0")  # switched off
+        image_mod.pil_resize_matches_torchvision.cache_clear()
+        assert not image_mod.pil_resize_matches_torchvision()
+    finally:
+        image_mod.pil_resize_matches_torchvision.cache_clear()
 
 
 @pytest.mark.parametrize("orientation", [3, 6, 8, 5])
