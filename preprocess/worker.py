@@ -29,7 +29,7 @@ READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
 _MIB = 1 << 20
 
-# Request: (data, config, max_pixels, released slot ids).
+# Request: (inbox segment name, data size, config, max_pixels, released slot ids).
 # Reply: ("ok", next_id, retired ids, slot id, patches shape, grid_thw, seconds)
 #     or ("error", next_id, retired ids, exception).
 Reply = tuple
@@ -85,12 +85,31 @@ class Slots:
         self.retired.append(slot)
 
 
+class Inbox:
+    """The worker's mapping of the parent's input segment (pool.py's _Inbox)."""
+
+    def __init__(self) -> None:
+        self.name = ""
+        self.shm: SharedMemory | None = None
+
+    def read(self, name: str, size: int) -> bytes:
+        if not name:
+            return b""
+        if name != self.name:
+            if self.shm is not None:
+                self.shm.close()
+            self.shm = SharedMemory(name=name)  # the parent owns (and unlinks) it
+            self.name = name
+        return bytes(self.shm.buf[:size])
+
+
 def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = None) -> None:
     """Serve (data, config, max_pixels, released) requests until the parent sends None or goes away."""
     # Ctrl-C reaches the whole process group; shutting workers down is the parent's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_up()
     slots = Slots(slot_base)
+    inbox = Inbox()
     conn.send(READY)
     while True:
         try:
@@ -99,8 +118,9 @@ def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = N
             return
         if request is None:
             return
-        data, config, max_pixels, released = request
+        inbox_name, size, config, max_pixels, released = request
         slots.release(released)
+        data = inbox.read(inbox_name, size)
         if fault_prefix is not None and data.startswith(fault_prefix):
             _inject_fault(data[len(fault_prefix) :], slots)
         try:
