@@ -35,7 +35,7 @@ import numpy as np
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
 from preprocess.image import PixelPatches
-from preprocess.worker import READY, slot_name, worker_main
+from preprocess.worker import READY, create_segment, slot_name, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -226,11 +226,13 @@ class _Worker:
     def _run(self, job: _Job) -> PixelPatches:
         if self.proc is None or not self.proc.is_alive():
             self._restart()  # died while idle (e.g. the OOM killer): not this request's fault
-        assert self.conn is not None and self.slots is not None
+        assert self.conn is not None and self.slots is not None and self.inbox is not None
         slots = self.slots
         try:
-            assert self.inbox is not None
             name = self.inbox.put(job.data)
+        except OSError as e:  # e.g. /dev/shm full: this request fails, the worker is fine
+            raise PreprocessWorkerError(f"no shared memory to pass the image to a worker: {e}") from None
+        try:
             self.conn.send((name, len(job.data), job.config, job.max_pixels, slots.take_released()))
             timeout = self.pool.timeout_s
             if not self.conn.poll(timeout):
@@ -348,7 +350,7 @@ class _Inbox:
             self.drop()
             self.generation += 1
             size = -(-max(len(data) * 5 // 4, 1 << 20) // (1 << 20)) * (1 << 20)
-            self.shm = SharedMemory(name=f"{self.base}_in{self.generation}", create=True, size=size)
+            self.shm = create_segment(f"{self.base}_in{self.generation}", size)
         self.shm.buf[: len(data)] = data
         return self.shm.name.lstrip("/")
 

@@ -39,6 +39,22 @@ def slot_name(base: str, slot: int) -> str:
     return f"{base}_{slot}"
 
 
+def create_segment(name: str, size: int) -> SharedMemory:
+    """A new shared-memory segment with its pages reserved now.
+
+    NOTE: tmpfs hands out pages on first write, and a write that finds /dev/shm full kills the
+    writer with SIGBUS. Reserving up front turns that into an OSError (ENOSPC) here instead.
+    """
+    shm = SharedMemory(name=name, create=True, size=size)
+    try:
+        os.posix_fallocate(shm._fd, 0, size)
+    except BaseException:
+        shm.close()
+        shm.unlink()
+        raise
+    return shm
+
+
 class Slots:
     """The worker's shared-memory slots: which exist, and which the parent has released."""
 
@@ -63,7 +79,7 @@ class Slots:
             slot = self.next_id
             self.next_id += 1
             size = -(-max(nbytes, 1) // _MIB) * _MIB
-            self.shms[slot] = SharedMemory(name=slot_name(self.base, slot), create=True, size=size)
+            self.shms[slot] = create_segment(slot_name(self.base, slot), size)
         self.current = slot
         while len(self.free) > MAX_IDLE_SLOTS:
             self._retire(min(self.free, key=lambda i: self.shms[i].size))

@@ -4,6 +4,7 @@ memory, no zombies, and an event loop that keeps running while workers are busy.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 
@@ -169,6 +170,24 @@ def test_a_lease_outlives_its_dead_worker(images, config):
         assert not (name & _our_segments(p))  # unlinked with its worker
         assert np.array_equal(kept.patches, preprocess(images[1], config).patches)
         assert p.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
+
+
+def test_full_shared_memory_fails_the_request_not_the_server(monkeypatch, images, config):
+    # /dev/shm full: reserving the inbox's pages fails with ENOSPC (instead of a SIGBUS in the
+    # server on the first write): that request gets an error, the worker and the pool carry on.
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with PreprocessPool(1) as p:
+        assert p.wait_ready(120)
+        pids = p.worker_pids()
+        monkeypatch.setattr(os, "posix_fallocate", no_space)
+        with pytest.raises(PreprocessWorkerError, match="no shared memory.*No space left"):
+            p.run(images[0], config)
+        monkeypatch.undo()
+        assert np.array_equal(p.run(images[0], config).patches, preprocess(images[0], config).patches)
+        assert p.worker_pids() == pids and p.stats.worker_restarts == 0
+    assert not _our_segments(p)
 
 
 def test_hung_worker_is_killed_after_timeout(pool, images, config):
