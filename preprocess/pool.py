@@ -3,13 +3,14 @@
 Each worker process has one pipe and one parent-side thread that feeds it one request at a
 time, so a worker that dies or hangs fails exactly the request it held; its thread starts a
 replacement and carries on. (concurrent.futures.ProcessPoolExecutor would instead fail every
-pending request with BrokenProcessPool.) Patches come back in one of the worker's shared-memory
+pending request with BrokenProcessPool.) The image's bytes go out through a shared-memory inbox
+per worker, and patches come back in one of the worker's shared-memory
 slots (see worker.py): only shape and grid are pickled, and the caller gets an array over the slot
 itself, no copy. The slot is leased: it goes back to the worker when the last view of that array
 (numpy or torch) is gone. A worker holds at most `leases_per_worker` leases; a result beyond that
 is copied out, so a consumer that hoards results cannot pin unbounded shared memory. The parent
-unlinks every segment: retired ones at once, the rest when the worker stops or dies (mappings
-still leased stay valid until released).
+unlinks every segment: retired and outgrown ones at once, the rest when the worker stops or dies
+(mappings still leased stay valid until released).
 """
 
 from __future__ import annotations

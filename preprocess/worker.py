@@ -1,13 +1,14 @@
-"""The pool's worker process: requests in over a pipe, patches out through shared memory.
+"""The pool's worker process: requests over a pipe, image bytes and patches through shared memory.
 
-A worker writes each result into one of its shared-memory slots and the parent hands that slot
-to the consumer as is (zero-copy); the parent says which slots are free again with the next
-request. Slots are reused because a fresh tmpfs segment costs a page fault and a zeroed page per
-4 KiB, which measured slower than the preprocessing itself. Slots are named "<base>_<id>" with ids
-counting up from 1; the worker creates them (at most one per request) and retires idle ones beyond
-MAX_IDLE_SLOTS, the parent owns unlinking: retired slots at once, the rest when the worker stops
-or dies (every id below the reply's next_id, and next_id itself, which a dying request may have
-just created).
+The parent copies each request's encoded bytes into its inbox segment for this worker (pool.py's
+_Inbox) and sends only the name, size and settings. The worker writes each result into one of its
+shared-memory slots, and the parent hands that slot to the consumer as is (zero-copy); the parent
+says which slots are free again with the next request. Slots are reused because a fresh tmpfs
+segment costs a page fault and a zeroed page per 4 KiB, which measured slower than the
+preprocessing itself. Slots are named "<base>_<id>" with ids counting up from 1; the worker creates
+them (at most one per request) and retires idle ones beyond MAX_IDLE_SLOTS. The parent owns
+unlinking: retired slots at once, the rest when the worker stops or dies (every id below the
+reply's next_id, and next_id itself, which a dying request may have just created).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Inbox:
 
 
 def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = None) -> None:
-    """Serve (data, config, max_pixels, released) requests until the parent sends None or goes away."""
+    """Serve requests (see Reply above) until the parent sends None or goes away."""
     # Ctrl-C reaches the whole process group; shutting workers down is the parent's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_up()
