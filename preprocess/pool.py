@@ -87,6 +87,8 @@ class PreprocessPool:
         leases_per_worker: int = 4,
         _fault_prefix: bytes | None = None,
     ) -> None:
+        if leases_per_worker < 0:
+            raise ValueError(f"leases_per_worker must be >= 0, got {leases_per_worker}")
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self.num_workers = num_workers or min(4, os.cpu_count() or 1)

@@ -293,3 +293,5 @@ def test_cancelled_requests_do_not_disturb_the_pool(pool, images, config):
     assert pool.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
     with pytest.raises(ValueError, match="max_pixels"):
         pool.run(images[0], config, max_pixels=0)
+    with pytest.raises(ValueError, match="leases_per_worker"):
+        PreprocessPool(1, leases_per_worker=-1)
