@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from PIL import Image
 from preprocess.config import PreprocessConfig
 from preprocess.errors import CORRUPT, DECOMPRESSION_BOMB, PreprocessError
 from preprocess.grid import plan_grid
-from preprocess.native import load_library
+from preprocess.native import load_library, switched_off
 from preprocess.probe import ImageInfo, open_image
 
 # EXIF orientation → the transpose that makes the image upright (as PIL.ImageOps.exif_transpose).
@@ -144,7 +143,7 @@ def pil_resize_matches_torchvision() -> bool:
     builds may round differently, so this checks once per process, on noise images where any
     rounding difference shows, and resize() keeps torchvision unless they agree.
     """
-    if os.environ.get("VLMSERVE_PIL_RESIZE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off("VLMSERVE_PIL_RESIZE"):
         return False
     rng = np.random.default_rng(20261201)
     cases = [((37, 53), (28, 84)), ((211, 149), (56, 28)), ((29, 31), (112, 140)), ((480, 7), (196, 14))]

@@ -38,6 +38,11 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def switched_off(variable: str) -> bool:
+    """Whether an on-by-default environment switch is set to 0, false, no or off."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
 
@@ -76,7 +81,7 @@ def load_library(source: Path) -> ctypes.CDLL | None:
     """The library built from ``source``, or ``None`` (disabled, no compiler, or the build failed: logged).
 
     Not cached here: each caller caches its own (and sets the argtypes) behind ``functools.cache``."""
-    if os.environ.get("VLMSERVE_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off("VLMSERVE_CPU_KERNELS"):
         return None
     cc = os.environ.get("CC", "cc").split()[0]
     if not shutil.which(cc):
