@@ -352,8 +352,8 @@ class _Inbox:
         if self.shm is None or self.shm.size < len(data):
             self.drop()
             self.generation += 1
-            size = -(-max(len(data) * 5 // 4, 1 << 20) // (1 << 20)) * (1 << 20)
-            self.shm = create_segment(f"{self.base}_in{self.generation}", size)
+            # A quarter to spare, so slowly growing inputs do not replace it every request.
+            self.shm = create_segment(f"{self.base}_in{self.generation}", len(data) * 5 // 4)
         self.shm.buf[: len(data)] = data
         return self.shm.name.lstrip("/")
 

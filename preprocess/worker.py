@@ -40,12 +40,13 @@ def slot_name(base: str, slot: int) -> str:
     return f"{base}_{slot}"
 
 
-def create_segment(name: str, size: int) -> SharedMemory:
-    """A new shared-memory segment with its pages reserved now.
+def create_segment(name: str, min_size: int) -> SharedMemory:
+    """A new shared-memory segment of at least `min_size` bytes (whole MiB), its pages reserved now.
 
     NOTE: tmpfs hands out pages on first write, and a write that finds /dev/shm full kills the
     writer with SIGBUS. Reserving up front turns that into an OSError (ENOSPC) here instead.
     """
+    size = -(-max(min_size, 1) // _MIB) * _MIB
     shm = SharedMemory(name=name, create=True, size=size)
     try:
         os.posix_fallocate(shm._fd, 0, size)
@@ -79,8 +80,7 @@ class Slots:
         else:
             slot = self.next_id
             self.next_id += 1
-            size = -(-max(nbytes, 1) // _MIB) * _MIB
-            self.shms[slot] = create_segment(slot_name(self.base, slot), size)
+            self.shms[slot] = create_segment(slot_name(self.base, slot), nbytes)
         self.current = slot
         while len(self.free) > MAX_IDLE_SLOTS:
             self._retire(min(self.free, key=lambda i: self.shms[i].size))
