@@ -180,7 +180,7 @@ class BlockManager:
         seq.block_hashes = []
 
     def reset_prefix_cache(self) -> None:
-        for block_id, h in list(self.index.items()):
+        for h, block_id in list(self.index.items()):
             self.allocator.hashes[block_id] = None
             self.index.evict(block_id, h)
 

@@ -102,3 +102,15 @@ def test_check_integrity_catches_a_leak():
     a.block_table = []  # lose track of the block without freeing it
     with pytest.raises(AssertionError):
         bm.check_integrity([a])
+
+
+def test_reset_prefix_cache_forgets_every_block():
+    bm = BlockManager(16, BS)
+    a = seq_of(list(range(13)))
+    bm.allocate(a)
+    compute_all(bm, a)
+    bm.free(a)
+    assert bm.cached_prefix_tokens(seq_of(list(range(13)))) == 12
+    bm.reset_prefix_cache()
+    bm.check_integrity([])
+    assert len(bm.index) == 0 and bm.cached_prefix_tokens(seq_of(list(range(13)))) == 0
