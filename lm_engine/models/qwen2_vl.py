@@ -155,6 +155,15 @@ class MRotaryEmbedding(nn.Module):
         axis = torch.cat([torch.full((s,), i % 3, dtype=torch.long) for i, s in enumerate(section)])
         self.register_buffer("axis", axis, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # NOTE: a whole-module cast (``.to(bfloat16)``) must not round the frequencies, as transformers keeps
+        # them: position × a bf16 inv_freq is off by whole radians past a few hundred tokens. Device moves
+        # apply; dtype casts do not.
+        exact = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = exact.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [3, T] → cos, sin [T, head_dim]."""
         freqs = positions[..., None].float() * self.inv_freq  # [3, T, D/2]

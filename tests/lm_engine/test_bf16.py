@@ -1,0 +1,92 @@
+"""bfloat16 numerics match transformers' own bfloat16 (forced dtype, so these run on any CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lm_engine import LLM, SamplingParams
+from tests.support import user
+
+WORDS = "lighthouse keeper sea storm night ship harbor wave light rock the a and of to".split()
+
+
+def long_prompts() -> list[list[dict]]:
+    """Six text prompts of 1,500 to 3,200 tokens: where a rounded rotary frequency is off by radians."""
+    rng = random.Random(0)
+    return [user(" ".join(rng.choice(WORDS) for _ in range(n))) for n in (720, 860, 1000, 1150, 1300, 1450)]
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_ckpt):
+    llm = LLM(
+        str(tiny_ckpt),
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_batched_tokens=1024,  # prompts longer than this are prefilled in chunks from the paged cache
+        enable_prefix_caching=False,
+    )
+    yield llm
+    llm.close()
+
+
+def test_rotary_frequencies_stay_float32(bf16_engine):
+    runner = bf16_engine.engine.runner
+    assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+    freqs = {
+        f"{part}.{name}": buf.dtype
+        for part, module in (("decoder", runner.model), ("vision", runner.vision))
+        for name, buf in module.named_buffers()
+        if "inv_freq" in name
+    }
+    assert any(k.startswith("decoder.") for k in freqs) and any(k.startswith("vision.") for k in freqs)
+    assert set(freqs.values()) == {torch.float32}, freqs
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_first_token_agrees_with_transformers_bf16_on_long_prompts(bf16_engine, hf_oracle, tiny_ckpt):
+    """At least as close to transformers bf16 as transformers bf16 is to its own float32 (the noise floor),
+    in first greedy tokens and in the logits themselves."""
+    from transformers import AutoModelForImageTextToText
+
+    convs = long_prompts()
+    ids = [hf_oracle.inputs(c)["input_ids"] for c in convs]
+    assert min(i.shape[1] for i in ids) >= 1500
+    hf_bf16 = AutoModelForImageTextToText.from_pretrained(str(tiny_ckpt), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = [hf_bf16(input_ids=i).logits[0, -1].float() for i in ids]
+        floor = [hf_oracle.model(input_ids=i).logits[0, -1].float() for i in ids]
+
+    model = bf16_engine.engine.runner.model
+    seen: list[torch.Tensor] = []
+    compute_logits = model.compute_logits
+
+    def spy(hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(compute_logits(hidden))
+        return seen[-1]
+
+    model.compute_logits = spy
+    try:
+        outs = bf16_engine.chat(convs, SamplingParams(temperature=0, max_tokens=1))
+        ours_batched = [o.token_ids[0] for o in outs]
+        seen.clear()
+        for conv in convs:  # one at a time, for each prompt's own logits
+            bf16_engine.chat([conv], SamplingParams(temperature=0, max_tokens=1))
+    finally:
+        del model.compute_logits
+    ours = [s[0] for s in seen]
+    top = [int(r.argmax()) for r in ref]
+    agree = sum(a == b for a, b in zip(ours_batched, top))
+    floor_agree = sum(int(f.argmax()) == b for f, b in zip(floor, top))
+    err = sum(_relative(o, r) for o, r in zip(ours, ref)) / len(ref)
+    floor_err = sum(_relative(r, f) for r, f in zip(ref, floor)) / len(ref)
+    print(f"first tokens: ours/hf-bf16 {agree}/{len(ref)}, hf-bf16/hf-fp32 {floor_agree}/{len(ref)}")
+    print(f"logits relative error: ours/hf-bf16 {err:.4f}, hf-bf16/hf-fp32 {floor_err:.4f}")
+    assert [int(o.argmax()) for o in ours] == ours_batched  # batched and alone agree
+    assert agree >= floor_agree
+    assert err <= floor_err
