@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from lm_engine import LLM, SamplingParams
@@ -43,6 +45,13 @@ def test_identical_images_in_flight_are_encoded_once(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0)
     img = make_image(224, 224, 42)
     items = [it for _ in range(4) for it in items_for(llm, [img, img])]
+    # NOTE: the encoder waits until every item has been requested; otherwise a fast machine (or a slow
+    # request loop) could finish the first encode before the last copy is requested.
+    pipe, requested = llm.engine.vision, threading.Event()
+    encode = pipe.encode
+    pipe.encode = lambda pixels, grid: (requested.wait(30), encode(pixels, grid))[1]
+    pipe.request(items)
+    requested.set()
     wait_all(llm, items)
     assert llm.engine.vision.stats.images == 1
     assert all(it.embedding is items[0].embedding for it in items)
