@@ -62,13 +62,19 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
-        """The compute dtype. ``auto`` keeps the checkpoint's own, except that a half-precision checkpoint
-        runs in float32 on a CPU whose half-precision matmul is slower than float32 (no AMX/AVX512-BF16:
-        on an AVX2-only CPU bfloat16 matmul measured ~100× slower). Upcasting is lossless."""
+        """The compute dtype. ``auto`` keeps the checkpoint's own, except that
+        - a half-precision checkpoint runs in float32 on a CPU whose half-precision matmul is slower than
+          float32 (no AMX/AVX512-BF16: on an AVX2-only CPU bfloat16 matmul measured ~100× slower); upcasting
+          is lossless;
+        - a float32 checkpoint runs in bfloat16 on CUDA (as vLLM does): float32 wastes the tensor cores and
+          halves the KV cache."""
         if self.dtype == "auto":
             half = checkpoint_dtype in (torch.bfloat16, torch.float16)
-            if half and self.device.startswith("cpu") and not cpu_matmul_is_fast(checkpoint_dtype):
+            on_cpu = self.device.startswith("cpu")
+            if half and on_cpu and not cpu_matmul_is_fast(checkpoint_dtype):
                 return torch.float32
+            if checkpoint_dtype == torch.float32 and self.device.startswith("cuda"):
+                return torch.bfloat16
             return checkpoint_dtype
         if self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")

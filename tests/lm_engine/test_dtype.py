@@ -24,6 +24,9 @@ def test_resolve_rules(monkeypatch):
     # An explicit dtype is obeyed; a GPU keeps the checkpoint's dtype.
     assert EngineConfig("m", dtype="bfloat16").resolve_dtype(torch.float32) == torch.bfloat16
     assert EngineConfig("m", device="cuda").resolve_dtype(torch.bfloat16) == torch.bfloat16
+    # A float32 checkpoint computes in bfloat16 on CUDA unless float32 is asked for.
+    assert EngineConfig("m", device="cuda:1").resolve_dtype(torch.float32) == torch.bfloat16
+    assert EngineConfig("m", device="cuda", dtype="float32").resolve_dtype(torch.float32) == torch.float32
     monkeypatch.setattr(config_mod, "cpu_matmul_is_fast", lambda dtype: True)
     assert EngineConfig("m").resolve_dtype(torch.bfloat16) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
