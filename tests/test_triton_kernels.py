@@ -219,3 +219,50 @@ def test_backend_forward_matches_torch_on_mixed_batch(triton_mods, dtype):
     out = backend.TritonBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype])
+
+
+def test_warmup_plan_covers_every_variant_traffic_can_pick():
+    """Whatever batch and context lengths arrive, the decode launch is a variant the start-up warm-up has
+    already compiled: unsplit, or split with a reduce width (BLOCK_P) in the plan."""
+    import triton
+
+    from lm_engine.attention import triton_kernels as kernels
+
+    for num_sms, kv_heads, head_dim, max_model_len, max_num_seqs in [
+        (132, 2, 128, 8192, 64),  # H200-class, Qwen2-VL-2B-like
+        (108, 8, 64, 32768, 256),
+        (16, 1, 256, 4096, 8),
+    ]:
+        plan = kernels.decode_warmup_plan(kv_heads, head_dim, max_model_len, num_sms)
+        assert plan[0] == 1 and plan == sorted(set(plan))
+        _, block_n = kernels._block_sizes(head_dim)
+        widths = set()
+        for num_seqs in range(1, max_num_seqs + 1):
+            for context in sorted({1, 255, 256, 257, 1000, 4095, 4096, max_model_len // 3, max_model_len}):
+                splits, tokens = kernels.split_layout(num_seqs * kv_heads, context, block_n, num_sms)
+                assert splits * tokens >= context
+                widths.add(1 if splits == 1 else triton.next_power_of_2(splits))
+        assert widths <= set(plan), (widths, plan)
+        assert len(plan) > 1  # these shapes do split: the plan is not trivially [1]
+
+
+@interpreted
+def test_warmup_runs_each_planned_variant(triton_mods):
+    kernels, _ = triton_mods
+    k_cache = torch.randn(4, 16, 2, 32)
+    v_cache = torch.randn(4, 16, 2, 32)
+    launched = []
+    original = kernels.triton_paged_decode
+
+    def spy(*args, num_splits=None, **kw):
+        out = original(*args, num_splits=num_splits, **kw)
+        launched.append(num_splits)
+        assert torch.isfinite(out).all()
+        return out
+
+    kernels.triton_paged_decode = spy
+    try:
+        kernels.warmup_decode(torch.randn(1, 4, 32), k_cache, v_cache, [1, 2, 4])
+    finally:
+        kernels.triton_paged_decode = original
+    assert launched == [1, 2, 4]

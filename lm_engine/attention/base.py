@@ -62,6 +62,12 @@ class AttentionBackend(ABC):
         max_context: int,
     ) -> torch.Tensor: ...
 
+    def warmup(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, max_model_len: int
+    ) -> None:
+        """Compile what live traffic would otherwise compile on its first steps (default: nothing to do)."""
+        return None
+
     def prefill(
         self,
         q: torch.Tensor,

@@ -86,7 +86,13 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
     return tl.dot(a, b, input_precision="ieee")
 
 
-@triton.jit
+# NOTE: ints that change from step to step (the table's row stride grows with the longest context; the split
+# partials' strides with the split count) are not specialised on, so each kernel compiles once per variant at
+# start-up (see decode_warmup_plan), not again on live traffic when a value turns divisible by 16 or equal to 1.
+@triton.jit(
+    do_not_specialize=["tokens_per_split", "stride_bts", "stride_os", "stride_oh", "stride_op", "stride_ms",
+                       "stride_mh"]
+)  # fmt: skip
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, m_ptr, l_ptr,
     scale_log2, block_size, tokens_per_split,
@@ -159,7 +165,7 @@ def _paged_decode_kernel(
         tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gd_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ph", "stride_pp", "stride_ms", "stride_mh"])
 def _reduce_splits_kernel(
     part_ptr, m_ptr, l_ptr, out_ptr, num_splits,
     stride_ps, stride_ph, stride_pp, stride_pd, stride_ms, stride_mh, stride_os, stride_oh, stride_od,
@@ -199,14 +205,53 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _default_num_splits(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Split the context only when (seq, kv head) programs alone would leave SMs idle."""
-    if device.type != "cuda":
-        return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if num_programs >= target:
-        return 1
-    return max(1, min(math.ceil(target / num_programs), max_context // _MIN_TOKENS_PER_SPLIT))
+def _device_sms(device: torch.device) -> int:
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_layout(num_programs: int, max_context: int, block_n: int, num_sms: int) -> tuple[int, int]:
+    """(splits, tokens per split) of a decode launch: the context is split only when the (seq, kv head)
+    programs alone would leave SMs idle, and never into a split that is empty for every sequence."""
+    target = 2 * num_sms
+    wanted = 1
+    if num_programs < target:
+        wanted = max(1, min(math.ceil(target / num_programs), max_context // _MIN_TOKENS_PER_SPLIT))
+    return _layout_of(wanted, max_context, block_n)
+
+
+def _layout_of(splits: int, max_context: int, block_n: int) -> tuple[int, int]:
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+    return max(1, triton.cdiv(max_context, tokens_per_split)), tokens_per_split
+
+
+def _block_sizes(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_N) for a head dim: padded to a power of two ≥ 16 (tl.dot), smaller tiles past 128."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return block_d, 64 if block_d <= 128 else 32
+
+
+def decode_warmup_plan(num_kv_heads: int, head_dim: int, max_model_len: int, num_sms: int) -> list[int]:
+    """Split counts whose launches compile every decode kernel variant live traffic can reach: the unsplit
+    kernel, and the split kernel with each width of the reduce kernel (BLOCK_P, a power of two)."""
+    _, block_n = _block_sizes(head_dim)
+    most, _ = split_layout(num_kv_heads, max_model_len, block_n, num_sms)  # one sequence: the most splits
+    plan, width = [1], 2
+    while width <= triton.next_power_of_2(most):
+        plan.append(width)
+        width *= 2
+    return plan
+
+
+def warmup_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[int]) -> None:
+    """Compile the decode variants of ``plan`` before live traffic: ``q`` is one query ([1, H, D]); every
+    context reads block 0 of the caches, so nothing is allocated for it."""
+    _, block_n = _block_sizes(q.shape[2])
+    block_size = k_cache.shape[1]
+    for splits in plan:
+        context = splits * max(block_n, _MIN_TOKENS_PER_SPLIT)
+        tables = torch.zeros(1, triton.cdiv(context, block_size), dtype=torch.int32, device=q.device)
+        lens = torch.full((1,), context, dtype=torch.int32, device=q.device)
+        triton_paged_decode(q, k_cache, v_cache, tables, lens, 1.0, context, num_splits=splits)
 
 
 def triton_paged_decode(
@@ -235,12 +280,17 @@ def triton_paged_decode(
     if max_context <= 0:
         max_context = int(context_lens.max())
     group = num_heads // num_kv_heads
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_n = block_n or (64 if block_d <= 128 else 32)
+    block_d, default_n = _block_sizes(head_dim)
+    block_n = block_n or default_n
     assert block_n >= 16 and block_n & (block_n - 1) == 0, "block_n: a power of two >= 16 (tl.dot)"
-    splits = num_splits or _default_num_splits(num_seqs * num_kv_heads, max_context, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
-    splits = max(1, triton.cdiv(max_context, tokens_per_split))  # no split that is empty for every seq
+    if num_splits:
+        splits, tokens_per_split = _layout_of(num_splits, max_context, block_n)
+    elif q.device.type == "cuda":
+        splits, tokens_per_split = split_layout(
+            num_seqs * num_kv_heads, max_context, block_n, _device_sms(q.device)
+        )
+    else:
+        splits, tokens_per_split = 1, max_context
     common = dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n, DOT_FP32=_INTERPRETED, num_warps=4, num_stages=2,
