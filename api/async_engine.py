@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from lm_engine.device import is_fatal_device_error
 from lm_engine.engine import EngineOverloaded, LLMEngine, queue_refusal
 from lm_engine.outputs import RequestOutput
 from lm_engine.processor import InputError, PromptInputs
@@ -311,25 +312,7 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            # NOTE: which requests the failed step touched is unknown: fail all in flight, free their blocks,
-            # and keep serving only if the block manager's invariants still hold.
-            log.exception("engine step failed; failing %d request(s)", len(self._live))
-            failed = list(self._live.items())
-            self._live.clear()
-            for request_id, _ in failed:
-                self.engine.abort(request_id)
-            err = EngineFailure(f"the engine failed while running this request: {type(exc).__name__}")
-            items = [(stream, err) for _, stream in failed]
-            try:
-                self.engine.check_integrity()
-            except BaseException:
-                # Broken invariants end the thread. Mark it not alive before any client hears of the
-                # failure, so a /health sent right after the error already reads not ready.
-                with self._cv:
-                    self._stop = True
-                self._post(self._deliver, items)
-                raise
-            self._post(self._deliver, items)
+            self._fail_step(exc)
             return
         items = []
         for out in outputs:
@@ -338,6 +321,29 @@ class AsyncEngine:
                 items.append((stream, out))
         if items:
             self._post(self._deliver, items)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """A failed step: fail every request in flight (which ones the step touched is unknown) and free their
+        blocks; keep serving only if the device is usable and the block manager's invariants still hold."""
+        log.exception("engine step failed; failing %d request(s)", len(self._live))
+        failed = list(self._live.items())
+        self._live.clear()
+        for request_id, _ in failed:
+            self.engine.abort(request_id)
+        err = EngineFailure(f"the engine failed while running this request: {type(exc).__name__}")
+        items = [(stream, err) for _, stream in failed]
+        try:
+            if is_fatal_device_error(exc):
+                raise exc  # NOTE: a device-side assert or illegal address poisons every later kernel
+            self.engine.check_integrity()
+        except BaseException:
+            # The thread ends. Mark it not alive before any client hears of the failure, so a /health sent
+            # right after the error already reads not ready.
+            with self._cv:
+                self._stop = True
+            self._post(self._deliver, items)
+            raise
+        self._post(self._deliver, items)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._cv:

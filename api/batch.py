@@ -543,7 +543,10 @@ class _BatchRun:
         if out.error is not None:
             del running[out.request_id]
             err = APIError(
-                400, out.error["message"], param=out.error.get("param"), code=out.error.get("code")
+                out.error.get("status", 400),
+                out.error["message"],
+                param=out.error.get("param"),
+                code=out.error.get("code"),
             )
             self._fail(spill, run.index, run.custom_id, err, out.request_id)
             feeder.failed(run.index)

@@ -109,7 +109,10 @@ async def _outputs(stream: RequestStream, timing: _Timing) -> AsyncIterator[Requ
         async for out in stream:
             if out.error is not None:
                 raise APIError(
-                    400, out.error["message"], param=out.error.get("param"), code=out.error.get("code")
+                    out.error.get("status", 400),
+                    out.error["message"],
+                    param=out.error.get("param"),
+                    code=out.error.get("code"),
                 )
             timing.see(out)
             yield out

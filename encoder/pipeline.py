@@ -77,6 +77,7 @@ class VisionPipeline:
         max_batch_patches: int = 16384,
         max_wait_s: float = 0.002,
         on_ready: Callable[[], None] | None = None,
+        is_fatal: Callable[[BaseException], bool] = lambda exc: False,
     ) -> None:
         self.encode = encode
         self.config = config
@@ -86,6 +87,10 @@ class VisionPipeline:
         self.max_batch_patches = max_batch_patches
         self.max_wait_s = max_wait_s
         self.on_ready = on_ready
+        self.is_fatal = is_fatal
+        # A failure that leaves the device unusable (``is_fatal``): the engine stops on it instead of
+        # failing image after image on a poisoned device.
+        self.fatal: BaseException | None = None
         self.stats = EncoderStats()
         self._lock = threading.Lock()
         self._waiters: dict[str, list] = {}  # key → items waiting for it
@@ -204,6 +209,8 @@ class VisionPipeline:
                 self.stats.record_batch(len(batch), num_patches, time.perf_counter() - t0)
             except Exception as exc:
                 log.exception("vision tower failed on a batch of %d images", len(batch))
+                if self.is_fatal(exc):
+                    self.fatal = exc
                 for p in batch:
                     self._finish(p.key, error=exc)
                 continue

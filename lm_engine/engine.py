@@ -15,6 +15,7 @@ from encoder import VisionPipeline, vision_fingerprint
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
 from lm_engine.detokenizer import detokenize_step, flush
+from lm_engine.device import is_fatal_device_error, to_device
 from lm_engine.model_runner import ModelRunner
 from lm_engine.models.qwen2_vl import Qwen2VLConfig
 from lm_engine.outputs import CompletionOutput, RequestOutput
@@ -30,7 +31,7 @@ from lm_engine.visual_budget import (
     VisualBudgetController,
     default_ladder,
 )
-from preprocess import PreprocessConfig, PreprocessPool
+from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -89,7 +90,7 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(self.model_config.dtype)
         if config.dtype == "auto" and self.dtype != self.model_config.dtype:
             log.info(
-                "computing in %s: this %s is slower at the checkpoint's %s (dtype=auto; pass --dtype to force)",
+                "computing in %s on %s, not the checkpoint's %s (dtype=auto; pass --dtype to force)",
                 str(self.dtype).removeprefix("torch."),
                 config.device,
                 str(self.model_config.dtype).removeprefix("torch."),
@@ -142,6 +143,7 @@ class LLMEngine:
             pool=self.preprocess_pool,
             max_batch_patches=config.encoder_max_batch_patches,
             max_wait_s=config.encoder_max_wait_ms / 1000,
+            is_fatal=is_fatal_device_error,
         )
         self._failed: list[Sequence] = []
         pp = self.preprocess_config
@@ -233,9 +235,13 @@ class LLMEngine:
             client_key=client_key,
         )
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.generator = self._generator(params.seed)
         self.requests[request_id] = RequestState(request_id, params, prompt, [seq])
         self.scheduler.add(seq)
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """A seeded request's own generator, on the device its logits are sampled on."""
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def abort(self, request_id: str) -> bool:
         state = self.requests.pop(request_id, None)
@@ -276,6 +282,8 @@ class LLMEngine:
         return max(self.config.block_size, int(rate * slo / 1000 * 0.8))
 
     def _step(self) -> list[RequestOutput]:
+        if self.vision.fatal is not None:
+            raise self.vision.fatal  # the device is unusable: every request would fail on it
         sched = self.scheduler.schedule()
         failed = self._fail_broken_images()
         if sched.is_empty:
@@ -298,7 +306,7 @@ class LLMEngine:
                 for index in range(1, state.params.n):
                     child = seq.fork(index)
                     if state.params.seed is not None:
-                        child.generator = torch.Generator().manual_seed(state.params.seed + index)
+                        child.generator = self._generator(state.params.seed + index)
                     self.block_manager.fork(seq, child)
                     self.scheduler.running.append(child)
                     state.seqs.append(child)
@@ -307,7 +315,9 @@ class LLMEngine:
             rows.append(i)
             seqs.append(seq)
         if seqs:
-            tokens = sample(logits[torch.tensor(rows)], seqs)
+            if rows != list(range(len(completing))):  # forked choices sample from their parent's row
+                logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
+            tokens = sample(logits, seqs)
             now = time.monotonic()
             for seq, tok in zip(seqs, tokens):
                 if seq.first_token_time is None:
@@ -370,15 +380,30 @@ class LLMEngine:
                 if not s.is_finished:
                     self.scheduler.finish(s)
                     s.finish_reason = "error"
-            code = getattr(err, "code", "invalid_image")
-            message = getattr(err, "message", str(err))
+            if isinstance(err, (PreprocessError, PreprocessWorkerError)):  # the image's own fault
+                status, code, message = (
+                    400,
+                    getattr(err, "code", "invalid_image"),
+                    getattr(err, "message", str(err)),
+                )
+            else:  # the encoder failed on a good image: the server's fault
+                status, code, message = (
+                    500,
+                    "encoder_error",
+                    f"the vision encoder failed: {type(err).__name__}",
+                )
             outs.append(
                 RequestOutput(
                     request_id=state.request_id,
                     prompt_token_ids=state.prompt.token_ids,
                     outputs=[CompletionOutput(index=0, token_ids=[], text="", finish_reason="error")],
                     finished=True,
-                    error={"message": f"image {index}: {message}", "code": code, "param": "image_url"},
+                    error={
+                        "message": f"image {index}: {message}",
+                        "code": code,
+                        "param": "image_url",
+                        "status": status,
+                    },
                 )
             )
         self._failed.clear()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from lm_engine.attention import AttentionMetadata, get_backend
+from lm_engine.device import DeviceBinding, synchronize, to_device
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder, VisionTower
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -66,6 +67,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
+        self.bind_thread = DeviceBinding(self.device)
+        self.bind_thread()
+        self._encoder_stream: torch.cuda.Stream | None = None
         with torch.device(self.device):
             self.model = Qwen2VLDecoder(cfg).to(dtype)
         self.model.load_weights(model_dir)
@@ -88,6 +92,7 @@ class ModelRunner:
         # NOTE: zeroed, not empty: padded decode gathers read unused slots, and 0·NaN would poison them.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        self.backend.warmup(*self.kv_caches[0], cfg.num_attention_heads, max_model_len)
 
     # -- sizing ------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -114,6 +119,8 @@ class ModelRunner:
         if kv_cache_memory is not None:
             budget = int(kv_cache_memory)
         elif self.device.type == "cuda":
+            # NOTE: the warm-up's freed blocks sit in the caching allocator, where mem_get_info counts them used.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * utilization) - (total - free) - peak
         else:
@@ -191,12 +198,29 @@ class ModelRunner:
     # -- vision ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def encode_images(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """One varlen vision-tower pass over several images' patches; rows of all images, in order."""
-        return self.vision(pixels.to(self.device), grid_thw.to(self.device)).cpu()
+        """One varlen vision-tower pass over several images' patches; rows of all images, in order, on the
+        engine's device (they stay there: the decoder reads them from it).
+
+        On CUDA the pass runs on a stream of its own, so it overlaps the decode steps; the host patches are
+        staged in pinned memory (the caller's array is free again once this returns) and this thread, not the
+        engine's stream, waits for the result."""
+        self.bind_thread()
+        if self.device.type != "cuda":
+            return self.vision(pixels, grid_thw)
+        if self._encoder_stream is None:
+            self._encoder_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._encoder_stream):
+            rows = self.vision(to_device(pixels, self.device), to_device(grid_thw, self.device))
+            done = self._encoder_stream.record_event()
+        done.synchronize()
+        # NOTE: the rows were allocated on the encoder stream and are read on the default one from here on.
+        rows.record_stream(torch.cuda.default_stream(self.device))
+        return rows
 
     # -- one step ----------------------------------------------------------------------------------------
     def build_batch(self, sched: SchedulerOutput) -> StepBatch:
-        bs = self.block_size
+        """The step's inputs, gathered on the host and copied to the device in one transfer."""
+        bs, dev = self.block_size, self.device
         chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
         ids: list[int] = []
         pos: list[torch.Tensor] = []
@@ -225,38 +249,54 @@ class ModelRunner:
                 lo, hi = max(start, img.offset), min(end, img.offset + img.length)
                 if lo < hi:
                     assert img.embedding is not None, "image rows scheduled before the image was encoded"
+                    if img.embedding.device != dev:  # an embedding read back from Redis: moved once
+                        img.embedding = to_device(img.embedding, dev)
                     mm_rows.append(torch.arange(base + lo - start, base + hi - start))
                     mm_embeds.append(img.embedding[lo - img.offset : hi - img.offset])
             if chunk.completes:
                 logit_rows.append(base + n - 1)
                 completing.append(chunk)
-        dev = self.device
         max_blocks = max((len(t) for t in dec_tables), default=1)
-        dec_block_tables = torch.zeros(len(dec_tables), max_blocks, dtype=torch.int32)
+        dec_block_tables = torch.zeros(len(dec_tables), max_blocks, dtype=torch.long)
         for i, t in enumerate(dec_tables):
-            dec_block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            dec_block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        host = [
+            torch.tensor(ids, dtype=torch.long),
+            torch.cat(pos, dim=1),
+            torch.cat(slots),
+            dec_block_tables,
+            torch.tensor(dec_lens, dtype=torch.long),
+            torch.tensor(logit_rows, dtype=torch.long),
+            torch.cat(mm_rows) if mm_rows else torch.zeros(0, dtype=torch.long),
+            *span_tables,
+        ]
+        input_ids, positions, slot_mapping, tables, lens, logit_index, mm_index, *prefill_tables = (
+            _ship_together(host, dev)
+        )
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
+            slot_mapping=slot_mapping,
             num_decode_tokens=len(dec_tables),
-            decode_block_tables=dec_block_tables.to(dev),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32).to(dev),
+            decode_block_tables=tables.to(torch.int32),
+            decode_context_lens=lens.to(torch.int32),
             prefill_spans=spans,
-            prefill_block_tables=[t.to(dev) for t in span_tables],
+            prefill_block_tables=prefill_tables,
             max_decode_context=max(dec_lens, default=0),
         )
         return StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.cat(pos, dim=1).to(dev),
+            input_ids=input_ids,
+            positions=positions,
             meta=meta,
-            mm_rows=torch.cat(mm_rows).to(dev) if mm_rows else None,
-            mm_embeds=torch.cat(mm_embeds).to(dev) if mm_embeds else None,
-            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            mm_rows=mm_index if mm_rows else None,
+            mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
+            logit_rows=logit_index,
             completing=completing,
         )
 
     @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run the step; returns the chunks that reached their last token and their logits ([N, vocab])."""
+        """Run the step; returns the chunks that reached their last token and their logits ([N, vocab],
+        float32, on the device: the sampler reads them there)."""
+        self.bind_thread()
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         batch = self.build_batch(sched)
@@ -270,6 +310,23 @@ class ModelRunner:
             batch.mm_embeds,
         )
         if not batch.completing:
+            # NOTE: nothing to sample, so no .tolist() waits for this step: wait here, or its measured time
+            # (the prefill rate, Retry-After and the TPOT cap read it) would be the launch time only.
+            synchronize(self.device)
             return [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
-        logits = self.model.compute_logits(hidden[batch.logit_rows])
-        return batch.completing, logits.cpu()
+        return batch.completing, self.model.compute_logits(hidden[batch.logit_rows])
+
+
+def _ship_together(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``host`` (int64 tensors) packed into one buffer, copied to ``device`` once, and returned as views of
+    the copy in their own shapes. Each part starts 64-byte aligned (kernels specialise on pointer alignment)."""
+    sizes = [t.numel() for t in host]
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += -(-n // 8) * 8
+    buf = torch.zeros(total, dtype=torch.long)
+    for t, start, n in zip(host, starts, sizes):
+        buf[start : start + n] = t.reshape(-1)
+    buf = to_device(buf, device)
+    return [buf[start : start + n].view(t.shape) for t, start, n in zip(host, starts, sizes)]

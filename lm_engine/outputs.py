@@ -26,7 +26,8 @@ class RequestOutput:
     visual_tokens: list[int] = field(default_factory=list)
     visual_levels: list[int] = field(default_factory=list)  # visual budget level per image (0 = full)
     metrics: dict = field(default_factory=dict)
-    error: dict | None = None  # {"message", "code", "param"} when the request failed (e.g. a bad image)
+    # {"message", "code", "param", "status"} when the request failed: 400 for a bad image, 500 for a fault
+    error: dict | None = None
 
     # Single-choice conveniences (choice 0).
     @property

@@ -1,35 +1,68 @@
-"""Turns the logits of sequences that reached their last token into next tokens."""
+"""Turns the logits of sequences that reached their last token into next tokens, on the logits' device."""
 
 from __future__ import annotations
 
 import torch
 
+from lm_engine.device import to_device
 from lm_engine.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits [N, V] (float32), one row per sequence; greedy rows take the argmax."""
-    out = logits.argmax(dim=-1).tolist()
-    random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if not random_rows:
-        return out
-    rows = torch.tensor(random_rows)
-    sub = logits[rows]
-    temps = torch.tensor([seqs[i].params.temperature for i in random_rows], dtype=sub.dtype).unsqueeze(1)
-    sub = sub / temps
-    sorted_logits, order = sub.sort(dim=-1, descending=True)
-    vocab = sub.shape[1]
-    ks = torch.tensor([seqs[i].params.top_k or vocab for i in random_rows]).clamp(max=vocab).unsqueeze(1)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= ks, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    top_ps = torch.tensor([seqs[i].params.top_p for i in random_rows], dtype=probs.dtype).unsqueeze(1)
+    """logits [N, V] (float32, any device), one row per sequence; greedy rows take the argmax.
+
+    Everything stays on the logits' device: the per-row settings go over in one copy, all random rows draw
+    in one batch, and one ``.tolist()`` is the step's only device sync. A seeded row draws from its own
+    generator, which lives on that device too (the engine makes it there).
+    """
+    greedy = logits.argmax(dim=-1)
+    if all(s.params.greedy for s in seqs):
+        return greedy.tolist()
+    knobs = _settings(seqs, logits.shape[1], logits.dtype)
+    temps, top_k, top_p, is_greedy = to_device(knobs, logits.device).unbind(dim=1)
+    scaled = logits / temps.unsqueeze(1)
+    order = None
+    if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
+        probs, order = _filtered(scaled, top_k, top_p)
+    else:
+        probs = scaled.softmax(dim=-1)
+    drawn = _race(probs, seqs)
+    if order is not None:
+        drawn = order.gather(1, drawn.unsqueeze(1)).squeeze(1)
+    return torch.where(is_greedy.bool(), greedy, drawn).tolist()
+
+
+def _settings(seqs: list[Sequence], vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, 4] per row: temperature, top-k (vocab: off), top-p, greedy flag."""
+    rows = []
+    for s in seqs:
+        p = s.params
+        # NOTE: greedy rows draw too (their pick is discarded), at temperature 1 so nothing divides by 0.
+        rows.append((1.0 if p.greedy else p.temperature, p.top_k or vocab, p.top_p, float(p.greedy)))
+    return torch.tensor(rows, dtype=dtype)
+
+
+def _race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One draw per row: argmax(p / E) with E ~ Exp(1) samples p exactly (the Gumbel-max trick), batched."""
+    race = torch.empty_like(probs)
+    if all(s.generator is None for s in seqs):
+        race.exponential_()
+    else:
+        for j, s in enumerate(seqs):
+            race[j].exponential_(generator=s.generator)  # NOTE: a seeded row depends on its own seed only
+    # NOTE: an exponential draw can be exactly 0; a floor keeps p / E finite, and a zero p stays zero.
+    return (probs / race.clamp_(min=torch.finfo(race.dtype).tiny)).argmax(dim=-1)
+
+
+def _filtered(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's probabilities in descending order (and that order), after top-k and then top-p."""
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+    ordered = ordered.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = ordered.softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-    drop = (probs.cumsum(dim=-1) - probs) >= top_ps
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)
     drop[:, 0] = False  # NOTE: a top_p that underflows to 0 must still leave the top token
-    probs = probs.masked_fill(drop, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    for j, i in enumerate(random_rows):
-        pick = torch.multinomial(probs[j], 1, generator=seqs[i].generator)
-        out[i] = int(order[j, pick])
-    return out
+    return probs.masked_fill(drop, 0.0), order

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import time
@@ -121,6 +122,33 @@ def test_engine_thread_death_turns_health_not_ready(tiny_ckpt):
         resp = client.post("/v1/chat/completions", json=CHAT)
         assert resp.status_code == 503
         assert "vlmserve_engine_alive 0.0" in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("where", ["step", "vision tower"])
+def test_a_fatal_device_error_stops_the_engine(tiny_ckpt, where):
+    """A device-side assert or illegal address poisons every later kernel: the engine stops and /health says
+    so, rather than failing request after request (the block invariants would still hold)."""
+    from tests.support import make_image
+
+    fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with make_client(tiny_ckpt) as client:
+        engine = client.app.state.engine.engine
+        body = CHAT
+        if where == "step":
+
+            def broken(*args):
+                raise fault
+
+            engine.step = broken
+        else:
+            engine.vision.encode = lambda pixels, grid: (_ for _ in ()).throw(fault)
+            url = "data:image/png;base64," + base64.b64encode(make_image(56, 56, 1)).decode()
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+            body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+        resp = client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 500, resp.json()  # the server's fault, not the image's
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
 
 
 def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt):

@@ -67,6 +67,70 @@ def test_sampler_distribution_matches_softmax_with_top_k_and_top_p():
         assert abs(counts[i] - expected[i]) < 5 * expected[i].sqrt() + 5
 
 
+def _row(temperature=1.0, top_k=0, top_p=1.0, seed=None) -> Sequence:
+    seq = Sequence("x", [0], 1, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    if seed is not None:
+        seq.generator = torch.Generator().manual_seed(seed)
+    return seq
+
+
+def test_batched_rows_each_follow_their_own_settings():
+    """One batch mixing greedy, unseeded, top-k and top-p rows: each row's frequencies match its own
+    filtered softmax, and greedy rows take the argmax every time."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -1.0]]).repeat(4, 1)
+    logits[1] = logits[1].flip(0)  # a different argmax per row catches rows mixed up
+    rows = [_row(temperature=0.0), _row(temperature=0.7), _row(temperature=1.2, top_k=3), _row(top_p=0.6)]
+    n = 3000
+    counts = torch.zeros(4, 6)
+    for _ in range(n):
+        for i, tok in enumerate(sample(logits, rows)):
+            counts[i, tok] += 1
+    assert counts[0, 0] == n
+    for i, (t, k, p) in enumerate([(0.7, 6, 1.0), (1.2, 3, 1.0), (1.0, 6, 0.6)], start=1):
+        probs = (logits[i] / t).softmax(-1)
+        order = probs.argsort(descending=True)
+        probs[order[k:]] = 0
+        probs /= probs.sum()
+        sorted_p = probs[order]
+        keep = torch.zeros(6, dtype=torch.bool)
+        keep[order] = (sorted_p.cumsum(0) - sorted_p) < p
+        probs = torch.where(keep, probs, 0)
+        probs /= probs.sum()
+        expected = probs * n
+        assert counts[i][~keep].sum() == 0, f"row {i} drew a filtered token"
+        for j in torch.nonzero(keep).flatten():
+            assert abs(counts[i, j] - expected[j]) < 5 * expected[j].sqrt() + 5, f"row {i} token {j}"
+
+
+def test_a_seeded_row_draws_the_same_alone_or_in_a_batch():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    batch = [_row(temperature=0.9), _row(temperature=1.3, top_k=20, seed=5), _row(temperature=0.0)]
+    alone = [_row(temperature=1.3, top_k=20, seed=5)]
+    picks = [(sample(logits, batch)[1], sample(logits[1:2], alone)[0]) for _ in range(20)]
+    assert all(a == b for a, b in picks)
+    assert len({a for a, _ in picks}) > 1  # really random draws, not a greedy row
+
+
+def test_sampling_stays_on_the_logits_device(monkeypatch):
+    """No copy of the logits off their device, and one .tolist() (the only sync) per call."""
+    calls: list[str] = []
+    for name in ("tolist", "item", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _name=name, _orig=original, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    logits = torch.randn(4, 64)
+    rows = [_row(temperature=0.0), _row(temperature=0.8, seed=3), _row(top_k=5), _row(top_p=0.5)]
+    sample(logits, rows)
+    assert calls == ["tolist"]
+    calls.clear()
+    sample(logits, [_row(temperature=0.0)] * 4)
+    assert calls == ["tolist"]
+
+
 def test_stop_string_truncates_and_is_reported(llm):
     full = greedy_text(llm, 24)
     text = full.text
