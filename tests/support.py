@@ -31,14 +31,46 @@ def user(*parts) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
-class HFOracle:
-    """transformers' own processor + generate() on the same checkpoint (fp32, greedy)."""
+def mixed_requests() -> list[list[dict]]:
+    """Text-only, one image, two images; 56×56 up to 1024×768; short and long prompts."""
+    long_text = "Please read the following notes carefully and answer briefly. " * 6
+    return [
+        user("Hi"),
+        user("Tell me a story about a lighthouse keeper and the sea, in three short sentences."),
+        user(long_text + "What is the main topic?"),
+        user(image_part(make_image(56, 56, 1)), "What is this?"),
+        user(image_part(make_image(224, 224, 2)), "Describe the picture."),
+        user("Look at this: ", image_part(make_image(300, 200, 3)), " and say what you see."),
+        user(image_part(make_image(333, 517, 4, "JPEG")), long_text),
+        user(image_part(make_image(640, 480, 5, "JPEG")), "Count the shapes."),
+        user(image_part(make_image(1024, 768, 6, "JPEG")), "What colour dominates?"),
+        user(image_part(make_image(100, 150, 7)), image_part(make_image(150, 100, 8)), "Compare them."),
+        user(
+            image_part(make_image(448, 336, 9)),
+            "First image.",
+            image_part(make_image(56, 224, 10)),
+            "Second.",
+        ),
+        [
+            {"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {
+                "role": "user",
+                "content": [image_part(make_image(280, 280, 11)), {"type": "text", "text": "And here?"}],
+            },
+        ],
+    ]
 
-    def __init__(self, ckpt: Path) -> None:
+
+class HFOracle:
+    """transformers' own processor + generate() on the same checkpoint (greedy; float32 unless asked)."""
+
+    def __init__(self, ckpt: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(ckpt))
-        self.model = AutoModelForImageTextToText.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+        self.model = AutoModelForImageTextToText.from_pretrained(str(ckpt), dtype=dtype).eval().to(device)
         self._memo: dict[tuple, list[int]] = {}
 
     def inputs(self, conv: list[dict]):
@@ -64,7 +96,7 @@ class HFOracle:
     def generate(self, conv: list[dict], max_new_tokens: int) -> list[int]:
         key = (repr(conv), max_new_tokens)
         if key not in self._memo:
-            inputs = self.inputs(conv)
+            inputs = self.inputs(conv).to(self.model.device)
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
             self._memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
         return self._memo[key]

@@ -5,42 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lm_engine import LLM, SamplingParams, prefix_cache
-from tests.support import image_part, make_image, user
+from tests.support import image_part, make_image, mixed_requests, user
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-
-
-def mixed_requests() -> list[list[dict]]:
-    """Text-only, one image, two images; 56×56 up to 1024×768; short and long prompts."""
-    long_text = "Please read the following notes carefully and answer briefly. " * 6
-    return [
-        user("Hi"),
-        user("Tell me a story about a lighthouse keeper and the sea, in three short sentences."),
-        user(long_text + "What is the main topic?"),
-        user(image_part(make_image(56, 56, 1)), "What is this?"),
-        user(image_part(make_image(224, 224, 2)), "Describe the picture."),
-        user("Look at this: ", image_part(make_image(300, 200, 3)), " and say what you see."),
-        user(image_part(make_image(333, 517, 4, "JPEG")), long_text),
-        user(image_part(make_image(640, 480, 5, "JPEG")), "Count the shapes."),
-        user(image_part(make_image(1024, 768, 6, "JPEG")), "What colour dominates?"),
-        user(image_part(make_image(100, 150, 7)), image_part(make_image(150, 100, 8)), "Compare them."),
-        user(
-            image_part(make_image(448, 336, 9)),
-            "First image.",
-            image_part(make_image(56, 224, 10)),
-            "Second.",
-        ),
-        [
-            {"role": "system", "content": "You answer in one word."},
-            {"role": "user", "content": "Name a colour."},
-            {"role": "assistant", "content": "Blue."},
-            {
-                "role": "user",
-                "content": [image_part(make_image(280, 280, 11)), {"type": "text", "text": "And here?"}],
-            },
-        ],
-    ]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,244 @@
+"""The checks to run when a GPU is lent (``benchmarks/gpu_check.sh`` runs this; at most ~8 minutes).
+
+Sections, each printing PASS/FAIL lines and a summary at the end:
+
+1. ``kernels``: the Triton paged-decode and KV-write kernels, compiled (not interpreted), against the torch
+   backend over dtypes, head dims, GQA ratios, block sizes, ragged contexts and split counts; then the
+   start-up warm-up plan: after it, a decode step compiles nothing new.
+2. ``bf16``: first-token agreement on long prompts and the equivalence scenarios in bf16, on the GPU
+   (``benchmarks/bf16_agreement.py --device cuda``).
+3. ``e2e``: ``LLM(device="cuda")`` on the tiny preset: greedy ids against transformers ``generate()`` on the
+   same GPU (float32 both, the equivalence scenarios with images and chunked prefill), a prefix-cache hit
+   that changes nothing, seeded sampling with ``n=2`` reproducible, and the blocks all freed.
+4. ``syncs``: one steady decode step under the profiler: host↔device synchronisations counted (the sampler's
+   one ``.tolist()`` is the only one expected).
+
+    python3 benchmarks/gpu_check.py                 # all sections
+    python3 benchmarks/gpu_check.py kernels e2e     # some
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    RESULTS.append((name, ok, detail))
+    print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+
+
+def tiny_checkpoint() -> Path:
+    from lm_engine.models.qwen2_vl_make import make_checkpoint
+
+    return make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
+
+
+# -- 1. kernels ------------------------------------------------------------------------------------------
+def _decode_case(dtype, heads, kv_heads, head_dim, block_size, lens, splits, gen):
+    from lm_engine.attention import triton_kernels
+    from lm_engine.attention.torch_backend import paged_decode
+
+    need = [-(-c // block_size) for c in lens]
+    num_blocks = sum(need) + 4
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(need) + 1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = perm[start : start + n]
+        start += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype).cuda()
+    v = torch.randn(shape, generator=gen).to(dtype).cuda()
+    q = torch.randn(len(lens), heads, head_dim + 8, generator=gen).to(dtype).cuda()[..., :head_dim]
+    ctx = torch.tensor(lens, dtype=torch.int32).cuda()
+    tables = tables.cuda()
+    scale = head_dim**-0.5
+    ref = paged_decode(q.float(), k.float(), v.float(), tables, ctx, scale)
+    out = triton_kernels.triton_paged_decode(q, k, v, tables, ctx, scale, max(lens), num_splits=splits)
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    return float((out.float() - ref).abs().max()), tol
+
+
+def check_kernels() -> None:
+    from lm_engine.attention import triton_kernels
+    from lm_engine.attention.torch_backend import write_kv
+
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    groups, blocks, splits = [1, 2, 4, 8], [8, 16, 32], [None, 1, 2, 3, 8]
+    i = 0
+    for dtype in dtypes:
+        for head_dim in (64, 80, 128, 256):
+            group, block, split = groups[i % 4], blocks[i % 3], splits[i % 5]
+            i += 1
+            kv_heads = 2
+            lens = [1, block, block + 1] + torch.randint(2, 3000, (5,), generator=gen).tolist()
+            err, tol = _decode_case(dtype, kv_heads * group, kv_heads, head_dim, block, lens, split, gen)
+            name = f"decode {str(dtype)[6:]} d{head_dim} gqa{group} bs{block} splits={split}"
+            check(name, err <= tol, f"max err {err:.2e} (tol {tol:.0e})")
+    for dtype in dtypes:
+        kv = torch.randn(40, 6, 128, generator=gen).to(dtype).cuda()
+        key, value = kv[:, :3].contiguous(), kv[:, 3:]
+        slots = torch.randperm(64 * 16, generator=gen)[:40].cuda()
+        slots[[0, 7]] = -1
+        k_cache = torch.zeros(64, 16, 3, 128, dtype=dtype, device="cuda")
+        v_cache = torch.zeros_like(k_cache)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        write_kv(key, value, k_ref, v_ref, slots)
+        triton_kernels.triton_write_kv(key, value, k_cache, v_cache, slots)
+        check(f"write_kv {str(dtype)[6:]}", torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref))
+    _check_warmup()
+
+
+def _check_warmup() -> None:
+    """After the backend's warm-up, decode launches over many batch shapes compile nothing new."""
+    from lm_engine.attention import triton_kernels
+    from lm_engine.attention.triton_backend import TritonBackend
+
+    kv_heads, heads, head_dim, block_size, max_len = 2, 12, 128, 16, 8192
+    shape = (max_len // block_size + 8, block_size, kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    t0 = time.perf_counter()
+    TritonBackend().warmup(k_cache, v_cache, heads, max_len)
+    warm_s = time.perf_counter() - t0
+
+    def cache_sizes() -> int:
+        """Compiled variants of the decode kernels (each device cache entry leads with its kernel dict)."""
+        kernels = (triton_kernels._paged_decode_kernel, triton_kernels._reduce_splits_kernel)
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+
+    before = cache_sizes()
+    gen = torch.Generator().manual_seed(1)
+    for num_seqs in (1, 2, 3, 5, 8, 17, 40, 64):
+        lens = torch.randint(1, max_len, (num_seqs,), generator=gen)
+        tables = torch.randint(
+            0, shape[0], (num_seqs, int(lens.max()) // block_size + 1 + num_seqs % 3), dtype=torch.int32
+        )
+        q = torch.randn(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        triton_kernels.triton_paged_decode(
+            q, k_cache, v_cache, tables.cuda(), lens.to(torch.int32).cuda(), 0.1, int(lens.max())
+        )
+    torch.cuda.synchronize()
+    check(
+        "warm-up covers live decode shapes",
+        cache_sizes() == before,
+        f"(warm-up {warm_s:.1f} s, {before} variants)",
+    )
+
+
+# -- 2. bf16 ---------------------------------------------------------------------------------------------
+def check_bf16(ckpt: Path) -> None:
+    from benchmarks.bf16_agreement import run
+
+    rec = run(str(ckpt), 20, "cuda")
+    rows = rec["first_token_agreement"]
+    ours = int(rows["engine bf16 vs transformers bf16"]["all"].split("/")[0])
+    floor = int(rows["transformers bf16 vs transformers float32 (noise floor)"]["all"].split("/")[0])
+    check("bf16 first tokens at least as close as the noise floor", ours >= floor, f"{ours} vs {floor}")
+
+
+# -- 3. end to end ---------------------------------------------------------------------------------------
+def check_e2e(ckpt: Path) -> None:
+    from lm_engine import LLM, SamplingParams
+    from tests.support import HFOracle, image_part, make_image, mixed_requests, user
+
+    oracle = HFOracle(ckpt, torch.float32, "cuda")
+    convs = mixed_requests()
+    refs = [oracle.generate(c, 20) for c in convs]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    with LLM(str(ckpt), device="cuda", dtype="float32", max_num_batched_tokens=96) as llm:
+        outs = llm.chat(convs, greedy)
+        same = sum(o.token_ids == r for o, r in zip(outs, refs))
+        check("greedy ids equal transformers on cuda", same == len(refs), f"{same}/{len(refs)}")
+        again = llm.chat(convs, greedy)
+        cached = sum(o.num_cached_tokens for o in again)
+        check(
+            "prefix hit changes nothing",
+            cached > 0 and all(a.token_ids == o.token_ids for a, o in zip(again, outs)),
+            f"{cached} cached tokens",
+        )
+        conv = user(image_part(make_image(224, 224, 3)), "Describe it.")
+        params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+        a, b = llm.chat([conv], params)[0], llm.chat([conv], params)[0]
+        check(
+            "seeded n=2 sampling reproducible",
+            [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs],
+            str([len(c.token_ids) for c in a.outputs]),
+        )
+        bm = llm.engine.block_manager
+        check("every block freed", bm.num_free_blocks == bm.num_blocks)
+
+
+# -- 4. synchronisations ---------------------------------------------------------------------------------
+def check_syncs(ckpt: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from lm_engine import LLM, SamplingParams
+    from tests.support import user
+
+    with LLM(str(ckpt), device="cuda", max_num_batched_tokens=256) as llm:
+        eng = llm.engine
+        for i in range(8):
+            eng.add_request(
+                f"r{i}", user(f"question {i}: tell me more"), SamplingParams(max_tokens=64, ignore_eos=True)
+            )
+        for _ in range(6):  # prefill done, decoding
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.step()
+        names = [e.name for e in prof.events()]
+        syncs = [n for n in names if "Synchronize" in n]
+        copies = [n for n in names if n in ("cudaMemcpy", "cudaMemcpyAsync")]
+        print("sync calls:", syncs, "| memcpy calls:", len(copies))
+        check(
+            "one device sync per decode step", len(syncs) <= 1, f"{len(syncs)} syncs, {len(copies)} memcpys"
+        )
+        while eng.has_unfinished():
+            eng.step()
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    wanted = set(sys.argv[1:]) or {"kernels", "bf16", "e2e", "syncs"}
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sorted(wanted)}", flush=True)
+    ckpt = tiny_checkpoint()
+    sections = {
+        "kernels": check_kernels,
+        "bf16": lambda: check_bf16(ckpt),
+        "e2e": lambda: check_e2e(ckpt),
+        "syncs": lambda: check_syncs(ckpt),
+    }
+    for name, fn in sections.items():
+        if name not in wanted:
+            continue
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            traceback.print_exc()
+            check(f"section {name} ran", False)
+        print(f"-- {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    failed = [n for n, ok, _ in RESULTS if not ok]
+    print(
+        f"\n{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed"
+        + (f"; failed: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

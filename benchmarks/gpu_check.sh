@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one script to run when the device tool lends a GPU (at most ~8 minutes). It runs on the lent machine's
+# own python3 (which holds torch, triton and transformers); the few pure-Python packages vlmserve imports and
+# that image lacks travel as wheels in .gpu_wheels/, which `benchmarks/gpu_check.sh --prepare` fills here
+# (pip download; the folder is git-ignored, so name it in the device tool's `carry`).
+#
+#   here:   benchmarks/gpu_check.sh --prepare
+#   there:  benchmarks/gpu_check.sh [sections...]   (kernels bf16 e2e syncs; default all)
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+wheels=.gpu_wheels
+if [ "${1:-}" = "--prepare" ]; then
+  mkdir -p "$wheels"
+  .venv/bin/python -m pip download --no-deps -q -d "$wheels" redis xxhash prometheus-client jinja2 fastapi \
+    starlette pydantic pydantic-core annotated-types typing-inspection
+  grep -qx "/$wheels/" .git/info/exclude 2>/dev/null || echo "/$wheels/" >> .git/info/exclude
+  ls "$wheels"
+  exit 0
+fi
+py=python3
+missing=$($py - <<'PY'
+import importlib.util as u
+print(" ".join(m for m in ("torch", "triton", "transformers", "redis", "xxhash", "jinja2", "tokenizers", "safetensors") if u.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ] && [ -d "$wheels" ]; then
+  echo "[gpu_check] installing carried wheels for: $missing" >&2
+  $py -m pip install --no-index --no-deps -q "$wheels"/*.whl 2>&1 | tail -3
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+export PYTHONUNBUFFERED=1 VLMSERVE_KERNEL_CACHE="${TMPDIR:-/tmp}/vlmserve-kernels"
+timeout 480 $py benchmarks/gpu_check.py "$@"
