@@ -36,7 +36,7 @@ import numpy as np
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
 from preprocess.image import PixelPatches
-from preprocess.worker import READY, create_segment, slot_name, worker_main
+from preprocess.worker import READY, Failed, Job, create_segment, slot_name, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ class _Worker:
         except OSError as e:  # e.g. /dev/shm full: this request fails, the worker is fine
             raise PreprocessWorkerError(f"no shared memory to pass the image to a worker: {e}") from None
         try:
-            self.conn.send((name, len(job.data), job.config, job.max_pixels, slots.take_released()))
+            self.conn.send(Job(name, len(job.data), job.config, job.max_pixels, slots.take_released()))
             timeout = self.pool.timeout_s
             if not self.conn.poll(timeout):
                 self._kill()
@@ -252,15 +252,14 @@ class _Worker:
         finally:
             if self.proc is None:  # lost mid-request; _reap() already unlinked its slots
                 self._restart_quietly()
-        slots.follow(reply[1], reply[2])
-        if reply[0] == "error":
-            raise reply[3]
-        _, _, _, slot, shape, grid, _seconds = reply
-        patches, copied = slots.hand_out(slot, shape, self.pool.leases_per_worker)
+        slots.follow(reply.next_id, reply.retired)
+        if isinstance(reply, Failed):
+            raise reply.error
+        patches, copied = slots.hand_out(reply.slot, reply.shape, self.pool.leases_per_worker)
         if copied:
             with self.pool._lock:
                 self.pool.stats.copied += 1
-        return PixelPatches(patches=patches, grid_thw=grid)
+        return PixelPatches(patches=patches, grid_thw=reply.grid)
 
     def _start(self) -> None:
         base = f"{self.pool._slot_prefix}_{next(self.pool._process_ids)}"

@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 
@@ -30,10 +31,39 @@ READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
 _MIB = 1 << 20
 
-# Request: (inbox segment name, data size, config, max_pixels, released slot ids).
-# Reply: ("ok", next_id, retired ids, slot id, patches shape, grid_thw, seconds)
-#     or ("error", next_id, retired ids, exception).
-Reply = tuple
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """Parent → worker: preprocess the ``size`` bytes in inbox segment ``inbox``."""
+
+    inbox: str
+    size: int
+    config: PreprocessConfig
+    max_pixels: int | None
+    released: list[int]  # slot ids the parent's consumers are done with
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Worker → parent: the patches are in slot ``slot``. Every reply says which slot id comes next and
+    which slots the worker retired, so the parent always knows what to unlink."""
+
+    next_id: int
+    retired: list[int]
+    slot: int
+    shape: tuple[int, int]
+    grid: tuple[int, int, int]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    next_id: int
+    retired: list[int]
+    error: Exception
+
+
+Reply = Done | Failed
 
 
 def slot_name(base: str, slot: int) -> str:
@@ -121,7 +151,7 @@ class Inbox:
 
 
 def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = None) -> None:
-    """Serve requests (see Reply above) until the parent sends None or goes away."""
+    """Serve jobs (see Job and Reply above) until the parent sends None or goes away."""
     # Ctrl-C reaches the whole process group; shutting workers down is the parent's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _warm_up()
@@ -135,13 +165,12 @@ def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = N
             return
         if request is None:
             return
-        inbox_name, size, config, max_pixels, released = request
-        slots.release(released)
-        data = inbox.read(inbox_name, size)
+        slots.release(request.released)
+        data = inbox.read(request.inbox, request.size)
         if fault_prefix is not None and data.startswith(fault_prefix):
             _inject_fault(data[len(fault_prefix) :], slots)
         try:
-            conn.send(handle(data, config, max_pixels, slots))
+            conn.send(handle(data, request.config, request.max_pixels, slots))
         except OSError:  # the parent is gone
             return
 
@@ -159,18 +188,10 @@ def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, slots:
         else:
             # Rebuilt as a plain RuntimeError so the reply always unpickles in the parent.
             error = RuntimeError(f"preprocess failed: {type(e).__name__}: {e}")
-        return ("error", slots.next_id, slots.take_retired(), error)
+        return Failed(slots.next_id, slots.take_retired(), error)
     shape, grid = result.patches.shape, result.grid_thw
     del result  # no view of the slot outlives the request: the slot may be retired later
-    return (
-        "ok",
-        slots.next_id,
-        slots.take_retired(),
-        slots.current,
-        shape,
-        grid,
-        time.perf_counter() - start,
-    )
+    return Done(slots.next_id, slots.take_retired(), slots.current, shape, grid, time.perf_counter() - start)
 
 
 def _warm_up() -> None:
