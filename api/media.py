@@ -104,45 +104,33 @@ class MediaFetcher:
                     if target.scheme not in ("http", "https") or not target.host:
                         raise refused(f"image redirect to {target.scheme}: URLs is not followed")
                     async with self.client.stream("GET", target) as resp:
-                        if resp.has_redirect_location:
-                            target = resp.url.join(resp.headers["location"])
-                            continue
-                        if resp.status_code != 200:
-                            raise APIError(
-                                400,
-                                f"fetching the image from {target.host} failed: HTTP {resp.status_code}",
-                                param="image_url",
-                                code="media_fetch_failed",
-                            )
-                        declared = resp.headers.get("content-length", "")
-                        if declared.isdigit() and int(declared) > cfg.max_bytes:
-                            raise self._too_large(f"the image at {target.host}")
-                        buf = bytearray()
-                        async for chunk in resp.aiter_bytes():
-                            buf += chunk
-                            if len(buf) > cfg.max_bytes:
-                                raise self._too_large(f"the image at {target.host}")
-                        return bytes(buf)
-                raise APIError(
-                    400,
-                    f"image URL redirected more than {cfg.max_redirects} times",
-                    param="image_url",
-                    code="media_fetch_failed",
-                )
+                        if not resp.has_redirect_location:
+                            return await self._body(resp, target)
+                        target = resp.url.join(resp.headers["location"])
+                raise _fetch_failed(f"image URL redirected more than {cfg.max_redirects} times")
         except (TimeoutError, httpx.TimeoutException):
-            raise APIError(
-                400,
-                f"fetching the image from {target.host} timed out",
-                param="image_url",
-                code="media_fetch_timeout",
+            raise _fetch_failed(
+                f"fetching the image from {target.host} timed out", "media_fetch_timeout"
             ) from None
         except httpx.HTTPError as exc:
-            raise APIError(
-                400,
-                f"fetching the image from {target.host} failed: {type(exc).__name__}: {exc}",
-                param="image_url",
-                code="media_fetch_failed",
+            raise _fetch_failed(
+                f"fetching the image from {target.host} failed: {type(exc).__name__}: {exc}"
             ) from None
+
+    async def _body(self, resp: httpx.Response, target: httpx.URL) -> bytes:
+        """A 200 response's body, read no further than the byte cap."""
+        if resp.status_code != 200:
+            raise _fetch_failed(f"fetching the image from {target.host} failed: HTTP {resp.status_code}")
+        cap = self.config.max_bytes
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise self._too_large(f"the image at {target.host}")
+        buf = bytearray()
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            if len(buf) > cap:
+                raise self._too_large(f"the image at {target.host}")
+        return bytes(buf)
 
     def _file(self, url: str) -> bytes:
         root = self.config.allowed_local_path
@@ -180,3 +168,7 @@ class MediaFetcher:
         if len(data) > self.config.max_bytes:
             raise self._too_large("the image file")
         return data
+
+
+def _fetch_failed(message: str, code: str = "media_fetch_failed") -> APIError:
+    return APIError(400, message, param="image_url", code=code)

@@ -18,55 +18,54 @@ class VisionPathCollector(Collector):
         self.pool = pool  # preprocess.PreprocessPool | None
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._encoder()
+        if self.pool is not None:
+            yield from self._preprocess()
+
+    def _encoder(self) -> Iterator[Metric]:
         st = self.pipeline.stats
-        yield CounterMetricFamily("vlmserve_encoder_batches", "Vision-tower batches run.", value=st.batches)
-        yield CounterMetricFamily(
-            "vlmserve_encoder_images", "Images encoded (cache misses).", value=st.images
+        counters = (
+            ("vlmserve_encoder_batches", "Vision-tower batches run.", st.batches),
+            ("vlmserve_encoder_images", "Images encoded (cache misses).", st.images),
+            ("vlmserve_encoder_patches", "Patches through the vision tower.", st.patches),
+            ("vlmserve_encoder_seconds", "Wall time in the vision tower.", st.encode_seconds),
+            ("vlmserve_image_errors", "Images that failed preprocessing or encoding.", st.errors),
         )
-        yield CounterMetricFamily(
-            "vlmserve_encoder_patches", "Patches through the vision tower.", value=st.patches
-        )
-        yield CounterMetricFamily(
-            "vlmserve_encoder_seconds", "Wall time in the vision tower.", value=st.encode_seconds
-        )
-        yield CounterMetricFamily(
-            "vlmserve_image_errors", "Images that failed preprocessing or encoding.", value=st.errors
-        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
         yield GaugeMetricFamily(
             "vlmserve_encoder_pending", "Image keys waiting for an embedding.", value=self.pipeline.pending
         )
         sizes = list(st.batch_images)
-        buckets, total = [], 0
-        for bound in _BATCH_BUCKETS:
-            buckets.append((str(bound), sum(1 for s in sizes if s <= bound)))
+        buckets = [(str(bound), sum(1 for s in sizes if s <= bound)) for bound in _BATCH_BUCKETS]
         buckets.append(("+Inf", len(sizes)))
-        total = sum(sizes)
         yield HistogramMetricFamily(
             "vlmserve_encoder_batch_images",
             "Images per encoder batch (recent batches).",
             buckets=buckets,
-            sum_value=total,
+            sum_value=sum(sizes),
         )
-        if self.pool is not None:
-            ps = self.pool.stats
-            yield CounterMetricFamily(
-                "vlmserve_preprocess_images", "Images preprocessed in the pool.", value=ps.images
-            )
-            yield CounterMetricFamily(
-                "vlmserve_preprocess_errors", "Preprocessing failures.", value=ps.errors
-            )
-            yield CounterMetricFamily(
+
+    def _preprocess(self) -> Iterator[Metric]:
+        ps = self.pool.stats
+        counters = (
+            ("vlmserve_preprocess_images", "Images preprocessed in the pool.", ps.images),
+            ("vlmserve_preprocess_errors", "Preprocessing failures.", ps.errors),
+            (
                 "vlmserve_preprocess_seconds",
                 "Wall time preprocessing (decode, resize, patchify).",
-                value=ps.total_seconds,
-            )
-            yield CounterMetricFamily(
+                ps.total_seconds,
+            ),
+            (
                 "vlmserve_preprocess_worker_restarts",
                 "Preprocess workers replaced after dying.",
-                value=ps.worker_restarts,
-            )
-            yield CounterMetricFamily(
+                ps.worker_restarts,
+            ),
+            (
                 "vlmserve_preprocess_copied_results",
                 "Results copied out of shared memory because their worker's leases were all taken.",
-                value=ps.copied,
-            )
+                ps.copied,
+            ),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)

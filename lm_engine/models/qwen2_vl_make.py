@@ -211,40 +211,42 @@ def make_checkpoint(
     _write_json(out / "config.json", config)
     _write_weights(out, init_weights(config, seed), shard_size_bytes)
     _write_tokenizer(out, p)
-    ids = token_ids(p)
-    _write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": ids["<|endoftext|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-            "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-            "do_sample": False,
-        },
-    )
-    _write_json(
-        out / "preprocessor_config.json",
-        {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "processor_class": "Qwen2VLProcessor",
-            "do_convert_rgb": True,
-            "do_resize": True,
-            "resample": 3,
-            "do_rescale": True,
-            "rescale_factor": 1 / 255,
-            "do_normalize": True,
-            "image_mean": CLIP_MEAN,
-            "image_std": CLIP_STD,
-            "patch_size": 14,
-            "temporal_patch_size": 2,
-            "merge_size": 2,
-            # NOTE: v4 reads min/max_pixels, v5 reads size; both say the same thing.
-            "min_pixels": p.min_pixels,
-            "max_pixels": p.max_pixels,
-            "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
-        },
-    )
+    _write_json(out / "generation_config.json", generation_config(p))
+    _write_json(out / "preprocessor_config.json", preprocessor_config(p))
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     return out
+
+
+def generation_config(p: Preset) -> dict:
+    ids = token_ids(p)
+    return {
+        "bos_token_id": ids["<|endoftext|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "do_sample": False,
+    }
+
+
+def preprocessor_config(p: Preset) -> dict:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": CLIP_MEAN,
+        "image_std": CLIP_STD,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        # NOTE: v4 reads min/max_pixels, v5 reads size; both say the same thing.
+        "min_pixels": p.min_pixels,
+        "max_pixels": p.max_pixels,
+        "size": {"shortest_edge": p.min_pixels, "longest_edge": p.max_pixels},
+    }
 
 
 # ---------------------------------------------------------------- weights
