@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -11,21 +13,35 @@ import time
 
 from api.config import DEFAULT_IMAGE_LIMIT, ServerArgs, parse_limit_mm
 from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT, MediaConfig
+from lm_engine.config import EngineConfig
+
+
+def _default(cls, name: str):
+    """A settings dataclass's own default: the one source of truth for the flags' defaults."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    e = functools.partial(_default, EngineConfig)
     p.add_argument(
         "--model", default=None, help="local Hugging Face checkpoint directory (default: the demo model)"
     )
-    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's own), float32, bfloat16, float16")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--dtype", default=e("dtype"), help="auto (the checkpoint's own), float32, bfloat16, float16"
+    )
+    p.add_argument("--device", default=e("device"))
+    p.add_argument("--block-size", type=int, default=e("block_size"))
+    p.add_argument("--max-num-batched-tokens", type=int, default=e("max_num_batched_tokens"))
+    p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
+    p.add_argument("--max-model-len", type=int, default=e("max_model_len"))
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool size (default: measured)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    p.add_argument(
+        "--num-kv-blocks", type=int, default=e("num_kv_blocks"), help="fixed KV pool size (default: measured)"
+    )
+    p.add_argument(
+        "--attention-backend", default=e("attention_backend"), choices=["auto", "torch", "cpu", "triton"]
+    )
     g = p.add_argument_group("vision path")
     g.add_argument(
         "--preprocess-workers",
@@ -33,10 +49,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="image decode/resize processes (default: min(4, cores); 0 = threads in the server process)",
     )
-    g.add_argument("--embedding-cache-mb", type=int, default=512, help="in-process embedding cache (L1) size")
+    g.add_argument(
+        "--embedding-cache-mb",
+        type=int,
+        default=e("embedding_cache_bytes") >> 20,
+        help="in-process embedding cache (L1) size",
+    )
     g.add_argument(
         "--redis-url",
-        default=None,
+        default=e("redis_url"),
         help="Redis for the shared embedding cache (L2), e.g. redis://127.0.0.1:6379/0",
     )
 
@@ -69,34 +90,34 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Offline generation on the demo checkpoint: a text prompt and an image prompt, with timings."""
+def _demo_conversations() -> list[list[dict]]:
+    """A text prompt and one with a (noise) picture."""
     import io
 
     import numpy as np
     from PIL import Image
 
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((448, 448, 3)) * 255).astype(np.uint8)).save(buf, format="JPEG")
+    picture = [
+        {"type": "image", "image": buf.getvalue()},
+        {"type": "text", "text": "What is in this picture?"},
+    ]
+    return [
+        [{"role": "user", "content": "Write one sentence about paged attention."}],
+        [{"role": "user", "content": picture}],
+    ]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Offline generation on the demo checkpoint: a text prompt and an image prompt, with timings."""
     from lm_engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, **_engine_kwargs(args))
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (model: {llm.engine.config.model})")
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    Image.fromarray((rng.random((448, 448, 3)) * 255).astype(np.uint8)).save(buf, format="JPEG")
-    image = buf.getvalue()
-    convs = [
-        [{"role": "user", "content": "Write one sentence about paged attention."}],
-        [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "image": image},
-                    {"type": "text", "text": "What is in this picture?"},
-                ],
-            }
-        ],
-    ]
+    convs = _demo_conversations()
     t0 = time.perf_counter()
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     dt = time.perf_counter() - t0
@@ -181,45 +202,66 @@ def _default_model(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
+    srv = functools.partial(_default, ServerArgs)
     p.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+        "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
     )
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=srv("port"))
     p.add_argument(
         "--api-key",
         default=os.environ.get("VLMSERVE_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=srv("max_request_bytes"),
+        help="largest request body accepted (data: URLs included); larger ones get 413",
+    )
     _add_media_args(p)
     p.add_argument(
-        "--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--uvicorn-log-level",
+        default=srv("log_level"),
+        choices=["critical", "error", "warning", "info", "debug"],
     )
+    _add_load_args(p)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    e = functools.partial(_default, EngineConfig)
     g = p.add_argument_group("load control")
     g.add_argument(
         "--visual-budget",
-        default="adaptive",
+        default="adaptive",  # NOTE: the server's own default; offline runs (EngineConfig) keep every image whole
         choices=["adaptive", "fixed"],
         help="adaptive: lower new images' max_pixels under load (default); fixed: always the configured maximum",
     )
-    g.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="time-to-first-token target under load")
+    g.add_argument(
+        "--ttft-slo-ms", type=float, default=e("ttft_slo_ms"), help="time-to-first-token target under load"
+    )
     g.add_argument(
         "--tpot-slo-ms",
         type=float,
-        default=None,
+        default=e("tpot_slo_ms"),
         help="per-output-token target: while requests decode, each step carries only the prefill that fits "
         "it at the measured prefill rate (default: no cap, the whole --max-num-batched-tokens)",
     )
     g.add_argument(
-        "--max-queued-requests", type=int, default=None, help="refuse new work (503) past this queue"
+        "--max-queued-requests",
+        type=int,
+        default=e("max_queued_requests"),
+        help="refuse new work (503) past this queue",
     )
     g.add_argument(
-        "--max-queued-tokens", type=int, default=None, help="refuse new work (503) past these queued tokens"
+        "--max-queued-tokens",
+        type=int,
+        default=e("max_queued_tokens"),
+        help="refuse new work (503) past these queued tokens",
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
-    from lm_engine.config import EngineConfig
 
     model, names = _default_model(args)
     server_args = ServerArgs(
@@ -238,6 +280,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         media=_media_config(args),
+        max_request_bytes=args.max_request_bytes,
         log_level=args.uvicorn_log_level,
     )
     run_server(server_args)
@@ -247,7 +290,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     """OpenAI batch file in, batch output out, on the engine in this process (see api/batch.py)."""
     from api.batch import BatchOptions, run_batch
-    from lm_engine.config import EngineConfig
     from lm_engine.engine import LLMEngine
 
     if not os.path.isfile(args.input):
