@@ -5,11 +5,10 @@ step while anything is unfinished, and sleeps on a condition when idle. Outputs 
 request's stream through ``loop.call_soon_threadsafe``, one callback per step. The event loop never
 calls into the engine and never waits on it except through those streams.
 
-Admission control runs on the event loop, so a refusal never waits for a step to end: it reads the
-engine's published ``admission`` snapshot (see ``lm_engine.engine.AdmissionState`` for why that needs no
-lock) and bounds the queue with its own counts of requests submitted but not yet admitted by the
-scheduler. Those counts leave a request exactly once: when the scheduler admits it, or when it ends,
-fails, is refused or is closed first.
+Admission control runs on the event loop, so a refusal never waits for a step to end: the engine's
+``Admission`` (lm_engine/admission.py) is thread-safe and reads the state the engine published after its
+last step. An admitted request's ticket travels with it to the engine, which releases it when the scheduler
+first runs the request or it ends; a request closed, refused or failed before that releases it here.
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from lm_engine.admission import Ticket
 from lm_engine.device import is_fatal_device_error
-from lm_engine.engine import EngineOverloaded, LLMEngine, queue_refusal
+from lm_engine.engine import LLMEngine
 from lm_engine.outputs import RequestOutput
 from lm_engine.processor import InputError, PromptInputs
 from lm_engine.sampling_params import SamplingParams
@@ -65,6 +65,7 @@ class _Add:
     params: SamplingParams
     client_key: str
     stream: RequestStream
+    ticket: Ticket
 
 
 @dataclass(slots=True)
@@ -94,14 +95,14 @@ class RequestStream:
     owner: AsyncEngine
     accepted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     finished: bool = False
-    queued_tokens: int | None = None  # its prompt tokens while in the owner's queue count, else None
+    ticket: Ticket | None = None  # its place in the admission queue, until scheduled or ended
     _pending: RequestOutput | BaseException | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, item: RequestOutput | BaseException) -> None:
         """Called on the event loop."""
         if isinstance(item, BaseException) or item.finished:
-            self.owner._dequeue(self)
+            self._release()
         prev = self._pending
         if isinstance(prev, BaseException):
             return  # the request already failed
@@ -122,8 +123,12 @@ class RequestStream:
             self.finished = item.finished
             yield item
 
+    def _release(self) -> None:
+        if self.ticket is not None:
+            self.ticket.release()
+
     def close(self) -> None:
-        self.owner._dequeue(self)
+        self._release()
         if not self.finished:
             self.finished = True
             self.owner.abort(self.request_id)
@@ -144,13 +149,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, RequestStream] = {}  # engine thread only
-        self._unadmitted: dict[str, RequestStream] = {}  # engine thread only: added, not yet scheduled
-        # Requests submitted and not yet admitted by the scheduler, and their prompt tokens. NOTE: changed
-        # under the lock (the engine thread dequeues admitted ones); read without it, since a count that
-        # is a moment stale only makes one admission decision a moment early or late.
-        self.queued_requests = 0
-        self.queued_tokens = 0
-        self._queue_lock = threading.RLock()  # NOTE: re-entrant: a stream's __del__ may run inside it
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -177,28 +175,17 @@ class AsyncEngine:
     def check_admission(self, num_tokens: int = 0) -> None:
         """Raise EngineOverloaded if new work of ``num_tokens`` prompt tokens must be refused; never waits on
         the engine thread. Call it before any work on a request (media, preprocessing) with 0 tokens."""
-        state = self.engine.admission
-        reason = state.reason if state.overloaded else None
-        reason = reason or queue_refusal(
-            self.engine.config, self.queued_requests, self.queued_tokens, num_tokens
-        )
-        if reason is not None:
-            raise EngineOverloaded(f"overloaded: {reason}; retry shortly", retry_after_s=state.retry_after_s)
+        self.engine.admission.check(num_tokens)
 
     async def add_request(
         self, request_id: str, prompt: PromptInputs, params: SamplingParams, client_key: str = ""
     ) -> RequestStream:
         """Submit a request; returns once the engine accepted it. Raises EngineOverloaded at once when
         admission control refuses it, InputError if the engine refused it."""
-        num_tokens = len(prompt.token_ids)
-        self.check_admission(num_tokens)
-        stream = RequestStream(request_id, self)
-        with self._queue_lock:  # NOTE: no await since the check, so no other request got in between
-            stream.queued_tokens = num_tokens
-            self.queued_requests += 1
-            self.queued_tokens += num_tokens
+        ticket = self.engine.admission.admit(len(prompt.token_ids))
+        stream = RequestStream(request_id, self, ticket=ticket)
         try:
-            self._submit(_Add(request_id, prompt, params, client_key, stream))
+            self._submit(_Add(request_id, prompt, params, client_key, stream, ticket))
             await stream.accepted
         except BaseException:
             stream.close()  # cancelled while waiting (client gone), or refused: nothing may stay behind
@@ -208,14 +195,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         with contextlib.suppress(EngineDead):  # nothing runs any more
             self._submit(_Abort(request_id))
-
-    def _dequeue(self, stream: RequestStream) -> None:
-        """Take ``stream`` out of the queue counts, once (any thread)."""
-        with self._queue_lock:
-            tokens, stream.queued_tokens = stream.queued_tokens, None
-            if tokens is not None:
-                self.queued_requests -= 1
-                self.queued_tokens -= tokens
 
     def _submit(self, cmd: _Add | _Abort) -> None:
         with self._cv:
@@ -264,7 +243,6 @@ class AsyncEngine:
                     before = self.engine.step_count
                     self._step()
                     idle_steps = 0 if self.engine.step_count != before else idle_steps + 1
-                self._dequeue_admitted()
                 self._publish()
             self._fail_all(EngineDead("the server is shutting down"))
         except BaseException as exc:
@@ -283,10 +261,10 @@ class AsyncEngine:
             self._post(self._settle, cmd.stream, EngineFailure("request closed before it started"))
             return
         try:
-            # NOTE: admission control already ran on the event loop; deciding again here would make a
-            # refusal wait for the step in progress.
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.client_key, admission=False)
-        except (InputError, EngineOverloaded) as exc:  # the client's error, or admission control's refusal
+            # NOTE: admission control already ran on the event loop (the ticket); deciding again here would
+            # make a refusal wait for the step in progress.
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.client_key, ticket=cmd.ticket)
+        except InputError as exc:  # the client's error
             self._post(self._settle, cmd.stream, exc)
             return
         except Exception as exc:
@@ -296,17 +274,7 @@ class AsyncEngine:
             )
             return
         self._live[cmd.request_id] = cmd.stream
-        self._unadmitted[cmd.request_id] = cmd.stream
         self._post(self._settle, cmd.stream, None)
-
-    def _dequeue_admitted(self) -> None:
-        """Requests the scheduler admitted, or that ended without it, leave the queue counts."""
-        requests = self.engine.requests
-        for request_id, stream in list(self._unadmitted.items()):
-            state = requests.get(request_id)
-            if state is None or state.seqs[0].first_admitted:
-                del self._unadmitted[request_id]
-                self._dequeue(stream)
 
     def _step(self) -> None:
         try:
@@ -369,7 +337,7 @@ class AsyncEngine:
             prefix_hits=bm.prefix_hits,
             steps=self.engine.step_count,
             preemptions=sched.num_preemptions,
-            visual_level=self.engine.visual_budget.level_for("auto"),
-            overloaded=self.engine.admission.overloaded,
-            expected_wait_s=self.engine.admission.expected_wait_s or 0.0,
+            visual_level=self.engine.load.visual_budget.level_for("auto"),
+            overloaded=self.engine.admission.state.overloaded,
+            expected_wait_s=self.engine.admission.state.expected_wait_s or 0.0,
         )

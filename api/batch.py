@@ -48,13 +48,13 @@ from tqdm.auto import tqdm
 
 from api.chat import ChatService, completion_body
 from api.config import ServerArgs
-from api.errors import APIError, from_input_error, from_validation_error
+from api.errors import APIError, to_api_error
 from api.media import MediaConfig, MediaFetcher
-from api.prompt import image_parts, prepare_prompt
+from api.prompt import normalize, prepare_prompt
 from api.protocol import ChatCompletionRequest
-from lm_engine.engine import EngineOverloaded, LLMEngine
+from lm_engine.engine import LLMEngine
 from lm_engine.outputs import RequestOutput
-from lm_engine.processor import InputError, PromptInputs
+from lm_engine.processor import InputError, PromptInputs, normalize_messages
 from lm_engine.sampling_params import SamplingParams
 from preprocess import image_hash
 
@@ -85,6 +85,8 @@ class BatchSummary:
     cached_tokens: int = 0  # prompt tokens served by the prefix cache (usage.cached_tokens)
     completion_tokens: int = 0
     images_encoded: int = 0  # by the vision tower
+    # Images whose embedding was reused, not encoded: embedding-cache hits, and images a line found held by
+    # another line in flight (encoded once for both).
     embedding_hits: int = 0
     embedding_lookups: int = 0
     prefix_hit_tokens: int = 0  # the block manager's counts (re-admissions after preemption included)
@@ -122,8 +124,8 @@ class BatchSummary:
                 f"wall time: {self.wall_s:.2f}s (first pass {self.scan_s:.2f}s)",
                 f"throughput: {self.requests_per_s:.2f} req/s, {self.output_tokens_per_s:.1f} output tok/s "
                 f"({self.prompt_tokens} prompt tokens, {self.completion_tokens} output tokens)",
-                f"embedding cache: {self.embedding_hit_rate:.1%} hits ({self.embedding_hits}/"
-                f"{self.embedding_lookups} lookups), {self.images_encoded} images encoded",
+                f"embedding cache: {self.embedding_hit_rate:.1%} reused ({self.embedding_hits}/"
+                f"{self.embedding_lookups}: cache hits or shared in flight), {self.images_encoded} images encoded",
                 f"prefix cache: {self.prefix_hit_rate:.1%} of prompt tokens hit ({self.prefix_hit_tokens}/"
                 f"{self.prefix_query_tokens}); cached_tokens in usage: {self.cached_tokens}",
             ]
@@ -376,31 +378,20 @@ class _BatchRun:
         """A line validated exactly as the HTTP route validates a body; raises _LineError or _Rejected."""
         cid, body = _envelope(raw)
         try:
-            try:
-                req = ChatCompletionRequest.model_validate(body)
-            except ValidationError as exc:
-                raise from_validation_error(exc) from None
+            req = ChatCompletionRequest.model_validate(body)
             model = self.chat.check_model(req.model)
             params = self.chat.sampling_params(req)
             messages = [m.to_engine() for m in req.messages]
-            n_images = len(image_parts(messages))
-            if n_images > self.args.max_images:
-                raise APIError(
-                    400,
-                    f"at most {self.args.max_images} image(s) per request are allowed (--limit-mm-per-prompt); "
-                    f"got {n_images}",
-                    param="messages",
-                    code="too_many_images",
-                )
-        except APIError as err:
-            raise _Rejected(cid, err) from None
+            normalize(messages, self.args.max_images)
+        except (APIError, InputError, ValidationError) as err:
+            raise _Rejected(cid, to_api_error(err)) from None
         return _Parsed(cid, model, params, messages, req.return_token_ids)
 
     async def _group_key(self, messages: list[dict]) -> tuple | None:
         """The identity of a line's images (with their detail), or None for a text-only line."""
         key = []
-        for part in image_parts(messages):
-            url, detail = part["image_url"]["url"], part["image_url"].get("detail")
+        for image in normalize_messages(messages).images:
+            url, detail = image.source, image.detail
             if url.split(":", 1)[0].lower() in ("http", "https"):
                 key.append((url, detail))  # NOTE: fetched once, when the line runs, not here too
             else:
@@ -433,7 +424,7 @@ class _BatchRun:
                 self._fail(spill, index, rej.custom_id, rej.error)
                 continue
             except Exception as exc:  # fetching an image: an APIError, unless something unforeseen broke
-                self._fail(spill, index, parsed.custom_id, _api_error(exc))
+                self._fail(spill, index, parsed.custom_id, to_api_error(exc))
                 continue
             groups.setdefault(key if key is not None else ("text", index), []).append(index)
         return offsets, lengths, list(groups.values())
@@ -443,7 +434,14 @@ class _BatchRun:
         self._t0 = t0 = time.perf_counter()
         s = self.summary
         vision, bm = self.engine.vision.stats, self.engine.block_manager
-        start = (vision.images, vision.cache_hits, vision.cache_misses, bm.prefix_hits, bm.prefix_queries)
+        shared = self.engine.images
+        start = (
+            vision.images,
+            vision.cache_hits + shared.shared,
+            vision.cache_misses,
+            bm.prefix_hits,
+            bm.prefix_queries,
+        )
         output_path.parent.mkdir(parents=True, exist_ok=True)
         spill = _Spill(output_path.parent)
         try:
@@ -468,7 +466,7 @@ class _BatchRun:
                 self.bar.close()
         s.wall_s = time.perf_counter() - t0
         s.images_encoded = vision.images - start[0]
-        s.embedding_hits = vision.cache_hits - start[1]
+        s.embedding_hits = vision.cache_hits + shared.shared - start[1]
         s.embedding_lookups = s.embedding_hits + vision.cache_misses - start[2]
         s.prefix_hit_tokens = bm.prefix_hits - start[3]
         s.prefix_query_tokens = bm.prefix_queries - start[4]
@@ -529,7 +527,7 @@ class _BatchRun:
             prompt = fut.result()
             self.engine.add_request(request_id, prompt, parsed.params)
         except Exception as exc:
-            self._fail(spill, index, parsed.custom_id, _api_error(exc), request_id)
+            self._fail(spill, index, parsed.custom_id, to_api_error(exc), request_id)
             feeder.failed(index)
             return
         running[request_id] = _Running(index, parsed.custom_id, parsed.model, parsed.return_token_ids)
@@ -542,12 +540,7 @@ class _BatchRun:
             return  # not ours
         if out.error is not None:
             del running[out.request_id]
-            err = APIError(
-                out.error.get("status", 400),
-                out.error["message"],
-                param=out.error.get("param"),
-                code=out.error.get("code"),
-            )
+            err = to_api_error(out.error)
             self._fail(spill, run.index, run.custom_id, err, out.request_id)
             feeder.failed(run.index)
             return
@@ -586,14 +579,3 @@ class _BatchRun:
             f"{self.summary.completion_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False
         )
         self.bar.update(1)
-
-
-def _api_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, InputError):
-        return from_input_error(exc)
-    if isinstance(exc, EngineOverloaded):
-        return APIError(503, str(exc), code="overloaded")
-    log.exception("preparing a batch line failed", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,28 +13,16 @@ from fastapi.responses import StreamingResponse
 
 from api.async_engine import AsyncEngine, EngineDead, EngineFailure, RequestStream
 from api.config import ServerArgs
-from api.errors import APIError
+from api.errors import APIError, to_api_error
 from api.media import MediaFetcher
 from api.metrics import ServerMetrics
 from api.prompt import prepare_prompt
 from api.protocol import ChatCompletionRequest
-from lm_engine.engine import EngineOverloaded
 from lm_engine.outputs import RequestOutput
 from lm_engine.sampling_params import SamplingParams
 
 _MIN_TOP_P = 1e-6
 VISUAL_LEVEL_HEADER = "X-Visual-Budget-Levels"
-
-
-def _engine_error(exc: EngineFailure | EngineDead) -> APIError:
-    if isinstance(exc, EngineDead):
-        return APIError(503, str(exc), code="engine_unavailable")
-    return APIError(500, str(exc), code="engine_error")
-
-
-def _overloaded(exc: EngineOverloaded) -> APIError:
-    retry = str(max(1, math.ceil(exc.retry_after_s)))
-    return APIError(503, str(exc), code="overloaded", headers={"Retry-After": retry})
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -108,16 +95,63 @@ async def _outputs(stream: RequestStream, timing: _Timing) -> AsyncIterator[Requ
     try:
         async for out in stream:
             if out.error is not None:
-                raise APIError(
-                    out.error.get("status", 400),
-                    out.error["message"],
-                    param=out.error.get("param"),
-                    code=out.error.get("code"),
-                )
+                raise to_api_error(out.error)
             timing.see(out)
             yield out
     except (EngineFailure, EngineDead) as exc:
-        raise _engine_error(exc) from None
+        raise to_api_error(exc) from None
+
+
+class _ChunkWriter:
+    """The chat.completion.chunk events of one streamed request."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, with_ids: bool) -> None:
+        self.request_id, self.model = request_id, model
+        self.include_usage, self.with_ids = include_usage, with_ids
+        self.created = int(time.time())
+        self.done: set[int] = set()  # choices whose finishing chunk went out
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, **extra) -> str:
+        body = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        if self.include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+    def first(self, n: int, prompt_ids: list[int] | None) -> str:
+        """Every choice's role, before any content; the prompt's token ids when asked for."""
+        delta = {"role": "assistant", "content": ""}
+        first = [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in range(n)]
+        if not self.with_ids:
+            return self.chunk(first)
+        return self.chunk([{**c, "token_ids": []} for c in first], prompt_token_ids=prompt_ids)
+
+    def deltas(self, out: RequestOutput) -> str | None:
+        """The choices that moved since the last output (or None: nothing to send)."""
+        choices = []
+        for c in out.outputs:
+            finished = c.finish_reason is not None
+            if c.index in self.done or not (c.delta_text or c.delta_token_ids or finished):
+                continue
+            choice = {
+                "index": c.index,
+                "delta": {"content": c.delta_text} if c.delta_text else {},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            if finished:
+                choice["stop_reason"] = c.stop_reason
+                self.done.add(c.index)
+            if self.with_ids:
+                choice["token_ids"] = list(c.delta_token_ids)
+            choices.append(choice)
+        return self.chunk(choices) if choices else None
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -182,11 +216,8 @@ class ChatService:
     ) -> dict | StreamingResponse:
         model = self.check_model(req.model)
         params = self.sampling_params(req)
-        try:
-            # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step.
-            self.engine.check_admission()
-        except EngineOverloaded as exc:
-            raise _overloaded(exc) from None
+        # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step.
+        self.engine.check_admission()
         prompt = await prepare_prompt(
             self.engine.engine,
             [m.to_engine() for m in req.messages],
@@ -195,15 +226,8 @@ class ChatService:
             executor=self.executor,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
-            stream = await self.engine.add_request(
-                request_id, prompt, params, client_key=req.user or client_key
-            )
-        except (EngineFailure, EngineDead) as exc:
-            raise _engine_error(exc) from None
-        except EngineOverloaded as exc:
-            raise _overloaded(exc) from None
+        # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
+        stream = await self.engine.add_request(request_id, prompt, params, client_key=req.user or client_key)
         timing = _Timing(arrival)
         outputs = _outputs(stream, timing)
         if not req.stream:
@@ -254,62 +278,18 @@ class ChatService:
         timing: _Timing,
     ) -> AsyncIterator[str]:
         """SSE chunks; ``prompt_ids`` (given when token ids were asked for) also turns on per-chunk token_ids."""
-        created = int(time.time())
-
-        def chunk(choices: list[dict], usage: dict | None = None, **extra) -> str:
-            body = {
-                "id": stream.request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                **extra,
-            }
-            if include_usage:
-                body["usage"] = usage
-            return _sse(body)
-
+        chunks = _ChunkWriter(stream.request_id, model, include_usage, with_ids=prompt_ids is not None)
         outcome = "aborted"  # unless the loop below completes: a disconnect cancels it mid-way
         try:
-            first = [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(n)
-            ]
-            if prompt_ids is not None:
-                for choice in first:
-                    choice["token_ids"] = []
-            yield chunk(first, **({"prompt_token_ids": prompt_ids} if prompt_ids is not None else {}))
-            done: set[int] = set()
+            yield chunks.first(n, prompt_ids)
             last = None
             async for out in outputs:
                 last = out
-                choices = []
-                for c in out.outputs:
-                    finished = c.finish_reason is not None
-                    if c.index in done or not (c.delta_text or c.delta_token_ids or finished):
-                        continue
-                    choice = {
-                        "index": c.index,
-                        "delta": {"content": c.delta_text} if c.delta_text else {},
-                        "logprobs": None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    if finished:
-                        choice["stop_reason"] = c.stop_reason
-                        done.add(c.index)
-                    if prompt_ids is not None:
-                        choice["token_ids"] = list(c.delta_token_ids)
-                    choices.append(choice)
-                if choices:
-                    yield chunk(choices)
+                if delta := chunks.deltas(out):
+                    yield delta
             assert last is not None and last.finished
             if include_usage:
-                yield chunk([], usage=_usage(last))
+                yield chunks.chunk([], usage=_usage(last))
             outcome = "ok"
             self._record(last, timing)
         except APIError as err:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.async_engine import EngineDead, EngineFailure
+from lm_engine.admission import EngineOverloaded
+from lm_engine.outputs import RequestError
 from lm_engine.processor import InputError
 
 log = logging.getLogger("vlmserve.api")
@@ -52,17 +57,13 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_input_error(exc: InputError) -> APIError:
-    return APIError(400, str(exc), param=exc.param, code=exc.code)
-
-
 def _loc(loc: tuple) -> str:
     # FastAPI prefixes the source ("body", "query"); the OpenAI param is the field path inside it.
     parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "header", "path") else list(loc)
     return ".".join(parts)
 
 
-def from_validation_error(exc: RequestValidationError) -> APIError:
+def from_validation_error(exc: RequestValidationError | ValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body", code="invalid_request")
@@ -76,32 +77,40 @@ def from_validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, "; ".join(msgs) + more, param=param or None, code=first.get("type"))
 
 
-def install_error_handlers(app: FastAPI, on_error=None) -> None:
-    """Map every exception to the OpenAI body; ``on_error(request, status)`` observes each error answered."""
+def to_api_error(exc: BaseException | RequestError) -> APIError:
+    """The one mapping from what went wrong to the status and OpenAI error body a client gets (with
+    Retry-After where retrying helps); the server and ``vlmserve batch`` both answer with it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestError):  # a request the engine failed (a bad image, the encoder)
+        return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, InputError):
+        return APIError(400, str(exc), param=exc.param, code=exc.code)
+    if isinstance(exc, (RequestValidationError, ValidationError)):  # the route's, or a batch line's
+        return from_validation_error(exc)
+    if isinstance(exc, EngineOverloaded):
+        retry = str(max(1, math.ceil(exc.retry_after_s)))
+        return APIError(503, str(exc), code="overloaded", headers={"Retry-After": retry})
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineFailure):
+        return APIError(500, str(exc), code="engine_error")
+    if isinstance(exc, StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+    log.error("unexpected error", exc_info=exc)
+    return APIError(500, "internal server error", code="internal_error")
 
-    def answer(request: Request, err: APIError) -> JSONResponse:
+
+def install_error_handlers(app: FastAPI, on_error=None) -> None:
+    """Every exception a route raises is answered through ``to_api_error``; ``on_error(request, status)``
+    observes each error answered."""
+
+    async def answer(request: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
         if on_error is not None:
             on_error(request, err.status)
         return err.response()
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return answer(request, exc)
-
-    @app.exception_handler(InputError)
-    async def _input_error(request: Request, exc: InputError) -> JSONResponse:
-        return answer(request, from_input_error(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return answer(request, from_validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return answer(request, APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return answer(request, APIError(500, "internal server error", code="internal_error"))
+    for kind in (APIError, InputError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, answer)

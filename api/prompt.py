@@ -8,17 +8,7 @@ from concurrent.futures import Executor
 from api.errors import APIError
 from api.media import MediaFetcher
 from lm_engine.engine import LLMEngine
-from lm_engine.processor import PromptInputs
-
-
-def image_parts(messages: list[dict]) -> list[dict]:
-    return [
-        part
-        for msg in messages
-        if isinstance(msg.get("content"), list)
-        for part in msg["content"]
-        if part.get("type") == "image_url"
-    ]
+from lm_engine.processor import ChatInput, PromptInputs, normalize_messages
 
 
 async def fetch_all(media: MediaFetcher, urls: list[str]) -> list[bytes]:
@@ -29,6 +19,19 @@ async def fetch_all(media: MediaFetcher, urls: list[str]) -> list[bytes]:
     finally:
         for t in tasks:
             t.cancel()
+
+
+def normalize(messages: list[dict], max_images: int) -> ChatInput:
+    """The messages normalized (lm_engine.processor), refused if they carry more images than allowed."""
+    chat = normalize_messages(messages)
+    if len(chat.images) > max_images:
+        raise APIError(
+            400,
+            f"at most {max_images} image(s) per request are allowed (--limit-mm-per-prompt); got {len(chat.images)}",
+            param="messages",
+            code="too_many_images",
+        )
+    return chat
 
 
 async def prepare_prompt(
@@ -44,26 +47,8 @@ async def prepare_prompt(
     The image count is checked before anything is fetched. Chat templating, tokenization and image
     processing run in ``executor``: they are CPU work that must not stall the event loop.
     """
-    parts = image_parts(messages)
-    if len(parts) > max_images:
-        raise APIError(
-            400,
-            f"at most {max_images} image(s) per request are allowed (--limit-mm-per-prompt); got {len(parts)}",
-            param="messages",
-            code="too_many_images",
-        )
-    data = await fetch_all(media, [p["image_url"]["url"] for p in parts])
-    fetched = iter(data)
-    resolved = []
-    for msg in messages:
-        content = msg.get("content")
-        if isinstance(content, list):
-            content = [
-                {"type": "image", "image": next(fetched), "detail": p["image_url"].get("detail")}
-                if p.get("type") == "image_url"
-                else p
-                for p in content
-            ]
-        resolved.append({**msg, "content": content})
+    chat = normalize(messages, max_images)
+    for image, data in zip(chat.images, await fetch_all(media, [im.source for im in chat.images])):
+        image.source = data
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, engine.process_chat, resolved)
+    return await loop.run_in_executor(executor, engine.process_chat, chat)

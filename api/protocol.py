@@ -42,7 +42,7 @@ class Message(BaseModel):
         """The message as the engine's chat processing takes it; image parts keep their URL and detail."""
         role = "system" if self.role == "developer" else self.role
         if not isinstance(self.content, list):
-            return {"role": role, "content": self.content or ""}
+            return {"role": role, "content": self.content}  # None stays None: only an assistant may omit it
         parts: list[dict] = []
         for part in self.content:
             if isinstance(part, TextPart):

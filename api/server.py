@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, suppress
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -88,89 +88,113 @@ async def cancel_on_disconnect(request: Request, work):
     return None
 
 
-def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
-    """The server app; builds the engine from ``args.engine`` unless one is given."""
-    engine = engine or LLMEngine(args.engine)
-    async_engine = AsyncEngine(engine)
-    media = MediaFetcher(args.media)
-    metrics = ServerMetrics(lambda: async_engine.stats)
-    metrics.register(EmbeddingCacheCollector(engine.embedding_cache))  # its stats() is thread-safe
-    metrics.register(VisionPathCollector(engine.vision, engine.preprocess_pool))
-    executor = ThreadPoolExecutor(max_workers=args.preprocess_threads, thread_name_prefix="vlmserve-prompt")
-    chat = ChatService(args, async_engine, media, metrics, executor)
-    created = int(time.time())
+class _Server:
+    """The app's parts: the engine on its thread, media fetching, metrics, the chat service; and its routes."""
+
+    def __init__(self, args: ServerArgs, engine: LLMEngine) -> None:
+        self.args = args
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine)
+        self.media = MediaFetcher(args.media)
+        self.metrics = ServerMetrics(lambda: self.async_engine.stats)
+        self.metrics.register(EmbeddingCacheCollector(engine.embedding_cache))  # its stats() is thread-safe
+        self.metrics.register(VisionPathCollector(engine.vision, engine.preprocess_pool))
+        self.executor = ThreadPoolExecutor(
+            max_workers=args.preprocess_threads, thread_name_prefix="vlmserve-prompt"
+        )
+        self.chat = ChatService(args, self.async_engine, self.media, self.metrics, self.executor)
+        self.created = int(time.time())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        async_engine.start()
+    async def lifespan(self, app: FastAPI):
+        self.async_engine.start()
         try:
             yield
         finally:
-            await media.aclose()
-            await asyncio.to_thread(async_engine.shutdown)
-            executor.shutdown(wait=False, cancel_futures=True)
+            await self.media.aclose()
+            await asyncio.to_thread(self.async_engine.shutdown)
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(
-        title="vlmserve",
-        summary="OpenAI-compatible serving of vision-language models",
-        version="0.1.0",
-        lifespan=lifespan,
-    )
-    app.add_middleware(_BodyLimit, max_bytes=args.max_request_bytes)
-    app.state.engine = async_engine
-    app.state.metrics = metrics  # app.state.metrics.register(collector) adds a stage's collector
-
-    def count_error(request: Request, status: int) -> None:
+    def count_error(self, request: Request, status: int) -> None:
         if request.url.path == CHAT_PATH:
-            metrics.count_error(status)
+            self.metrics.count_error(status)
 
-    install_error_handlers(app, count_error)
+    def routes(self) -> APIRouter:
+        router = APIRouter()
+        auth = [Depends(self.check_key)]
+        router.add_api_route(
+            CHAT_PATH,
+            self.chat_completions,
+            methods=["POST"],
+            response_model=ChatCompletion,
+            response_model_exclude_unset=True,  # extension fields appear only when asked for
+            responses=_ERRORS,
+            dependencies=auth,
+        )
+        router.add_api_route(
+            "/v1/models", self.models, response_model=ModelList, responses=_ERRORS, dependencies=auth
+        )
+        router.add_api_route("/health", self.health, responses={503: {"model": ErrorBody}})
+        router.add_api_route("/metrics", self.prometheus, response_class=Response)
+        return router
 
-    async def check_key(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]) -> None:
-        if args.api_key is None:
+    async def check_key(
+        self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+    ) -> None:
+        key = self.args.api_key
+        if key is None:
             return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), args.api_key.encode()):
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), key.encode()):
             raise APIError(
                 401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key"
             )
 
-    @app.post(
-        CHAT_PATH,
-        response_model=ChatCompletion,
-        response_model_exclude_unset=True,  # extension fields appear only when asked for
-        responses=_ERRORS,
-        dependencies=[Depends(check_key)],
-    )
-    async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request, response: Response):
         """Chat completion; with ``stream: true`` the response is ``text/event-stream`` chunks."""
         arrival = time.monotonic()
-        result = await cancel_on_disconnect(
-            request, chat.create(body, arrival, client_key=request.client.host if request.client else "")
-        )
+        client = request.client.host if request.client else ""
+        result = await cancel_on_disconnect(request, self.chat.create(body, arrival, client_key=client))
         if result is None:
-            metrics.count("aborted")
+            self.metrics.count("aborted")
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         if isinstance(result, dict):
             response.headers.update(visual_level_header(result["usage"]["visual_levels"]))
         return result
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS, dependencies=[Depends(check_key)])
-    async def models() -> dict:
-        card = {"created": created, "root": args.engine.model, "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [ModelCard(id=name, **card) for name in args.model_names]}
+    async def models(self) -> dict:
+        card = {
+            "created": self.created,
+            "root": self.args.engine.model,
+            "max_model_len": self.engine.max_model_len,
+        }
+        return {"object": "list", "data": [ModelCard(id=name, **card) for name in self.args.model_names]}
 
-    @app.get("/health", responses={503: {"model": ErrorBody}})
-    async def health() -> JSONResponse:
-        if not async_engine.alive:
-            why = f": {type(async_engine.error).__name__}: {async_engine.error}" if async_engine.error else ""
+    async def health(self) -> JSONResponse:
+        engine = self.async_engine
+        if not engine.alive:
+            why = f": {type(engine.error).__name__}: {engine.error}" if engine.error else ""
             raise APIError(503, f"the engine is not running{why}", code="engine_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=Response)
-    async def prometheus() -> Response:
-        data, content_type = metrics.render()
+    async def prometheus(self) -> Response:
+        data, content_type = self.metrics.render()
         return Response(data, media_type=content_type)
 
+
+def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
+    """The server app; builds the engine from ``args.engine`` unless one is given."""
+    server = _Server(args, engine or LLMEngine(args.engine))
+    app = FastAPI(
+        title="vlmserve",
+        summary="OpenAI-compatible serving of vision-language models",
+        version="0.1.0",
+        lifespan=server.lifespan,
+    )
+    app.add_middleware(_BodyLimit, max_bytes=args.max_request_bytes)
+    app.state.engine = server.async_engine
+    app.state.metrics = server.metrics  # app.state.metrics.register(collector) adds a stage's collector
+    install_error_handlers(app, server.count_error)
+    app.include_router(server.routes())
     return app
 
 

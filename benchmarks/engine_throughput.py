@@ -176,7 +176,7 @@ class StageTimer:
         setattr(obj, attr, timed)
 
 
-def _step_kind(sched, **_) -> str:
+def _step_kind(sched, *_, **__) -> str:
     if all(c.num_tokens == 1 for c in sched.chunks):
         return "decoder forward, decode-only steps"
     return "decoder forward, steps with prefill chunks"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -32,10 +32,13 @@ class EmbeddingKey:
     grid: tuple[int, int, int]
     preprocess_fingerprint: str
     model_fingerprint: str
+    # The digest, computed once: prefix-cache block hashes read it for every block an image touches.
+    raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.grid) != 3 or any(not isinstance(g, int) or g < 0 for g in self.grid):
             raise ValueError(f"grid must be three non-negative ints (t, h, w), got {self.grid!r}")
+        object.__setattr__(self, "raw", xxhash.xxh3_128_digest(self.canonical_bytes()))
 
     def canonical_bytes(self) -> bytes:
         return b"".join(
@@ -49,5 +52,5 @@ class EmbeddingKey:
         )
 
     def digest(self) -> str:
-        """Stable across processes and machines (never Python's salted hash())."""
-        return xxhash.xxh3_128_hexdigest(self.canonical_bytes())
+        """Stable across processes and machines (never Python's salted hash()): the hex of ``raw``."""
+        return self.raw.hex()

@@ -1,10 +1,11 @@
 """The vision pipeline: embedding-cache lookup, preprocessing in the CPU pool, batched encoding.
 
-Items arrive from the engine thread through ``request()``, which never blocks. A lookup thread checks the
-embedding cache (memory, then Redis); misses go to the preprocess pool; finished patches queue for the
-encoder thread, which packs pending images from all requests into one varlen batch (a patch budget and a
-short wait), runs the vision tower + merger once, splits the rows per image, fills the cache and hands
-each embedding to every item waiting for that key. Identical images in flight are encoded once.
+Jobs (an image's key and bytes) arrive from the engine thread through ``submit()``, which never blocks. A
+lookup thread checks the embedding cache (memory, then Redis); misses go to the preprocess pool; finished
+patches queue for the encoder thread, which packs pending images from all requests into one varlen batch
+(a patch budget and a short wait), runs the vision tower + merger once, splits the rows per image and fills
+the cache. Each key's result (its rows, or the error) is collected by the engine with ``take_results()``.
+A key already in flight is not started again, so identical images are encoded once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cache import EmbeddingCache
+from cache import EmbeddingCache, EmbeddingKey
 from preprocess import PixelPatches, PreprocessConfig, PreprocessPool, preprocess
 
 log = logging.getLogger("vlmserve.encoder")
@@ -57,12 +58,31 @@ class EncoderStats:
         del self.batch_images[:-256]
 
 
+@dataclass(frozen=True, slots=True)
+class EncodeJob:
+    """An image to encode: its identity, its bytes as received, and the visual budget its grid came from."""
+
+    key: EmbeddingKey
+    data: bytes
+    max_pixels: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A job's result: the image's embedding rows, or why there are none."""
+
+    key: EmbeddingKey
+    embedding: torch.Tensor | None = None
+    error: BaseException | None = None
+
+
 @dataclass(slots=True)
 class _Pending:
-    key: str
+    """Preprocessed patches waiting for the encoder thread."""
+
+    key: EmbeddingKey
     patches: np.ndarray | None  # None once handed to the vision tower
     grid: tuple[int, int, int]
-    ekey: object
 
 
 class VisionPipeline:
@@ -76,7 +96,6 @@ class VisionPipeline:
         pool: PreprocessPool | None = None,
         max_batch_patches: int = 16384,
         max_wait_s: float = 0.002,
-        on_ready: Callable[[], None] | None = None,
         is_fatal: Callable[[BaseException], bool] = lambda exc: False,
     ) -> None:
         self.encode = encode
@@ -86,14 +105,14 @@ class VisionPipeline:
         self.pool = pool
         self.max_batch_patches = max_batch_patches
         self.max_wait_s = max_wait_s
-        self.on_ready = on_ready
         self.is_fatal = is_fatal
         # A failure that leaves the device unusable (``is_fatal``): the engine stops on it instead of
         # failing image after image on a poisoned device.
         self.fatal: BaseException | None = None
         self.stats = EncoderStats()
         self._lock = threading.Lock()
-        self._waiters: dict[str, list] = {}  # key → items waiting for it
+        self._in_flight: set[EmbeddingKey] = set()
+        self._results: list[Encoded] = []
         self._done = threading.Condition(self._lock)
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlmserve-vision-lookup")
@@ -104,27 +123,29 @@ class VisionPipeline:
     # -- engine side ---------------------------------------------------------------------------------------
     @property
     def pending(self) -> int:
+        """Keys submitted whose result has not been taken yet."""
         with self._lock:
-            return len(self._waiters)
+            return len(self._in_flight) + len(self._results)
 
-    def request(self, items: list) -> None:
-        """Start work for items lacking embeddings; each gets ``embedding`` or ``error`` set when done."""
-        for item in items:
-            if item.embedding is not None or item.error is not None:
-                continue
+    def submit(self, jobs: list[EncodeJob]) -> None:
+        """Start the jobs whose key is not in flight already; never blocks."""
+        for job in jobs:
             with self._lock:
-                waiting = self._waiters.get(item.key_hex)
-                if waiting is not None:
-                    if not any(w is item for w in waiting):
-                        waiting.append(item)
+                if job.key in self._in_flight:
                     continue
-                self._waiters[item.key_hex] = [item]
-            self._lookups.submit(self._lookup, item)
+                self._in_flight.add(job.key)
+            self._lookups.submit(self._lookup, job)
+
+    def take_results(self) -> list[Encoded]:
+        """The results finished since the last call."""
+        with self._lock:
+            results, self._results = self._results, []
+        return results
 
     def wait(self, timeout: float) -> None:
-        """Block the caller until some pending work finishes (or ``timeout``)."""
+        """Block the caller until a result is ready to take (or ``timeout``)."""
         with self._done:
-            if self._waiters:
+            if not self._results and self._in_flight:
                 self._done.wait(timeout)
 
     def close(self) -> None:
@@ -134,33 +155,33 @@ class VisionPipeline:
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # -- lookup + preprocessing ------------------------------------------------------------------------------
-    def _lookup(self, item) -> None:
+    def _lookup(self, job: EncodeJob) -> None:
         try:
             if self.cache is not None:
-                emb = self.cache.get(item.ekey)
+                emb = self.cache.get(job.key)
                 if emb is not None:
                     self.stats.cache_hits += 1
-                    self._finish(item.key_hex, embedding=emb)
+                    self._finish(Encoded(job.key, embedding=emb))
                     return
                 self.stats.cache_misses += 1
             if self.pool is not None:
-                fut = self.pool.submit_future(item.data, self.config, item.max_pixels)
-                fut.add_done_callback(lambda f, it=item: self._preprocessed(it, f))
+                fut = self.pool.submit_future(job.data, self.config, job.max_pixels)
+                fut.add_done_callback(lambda f, job=job: self._preprocessed(job, f))
             else:
-                self._enqueue(item, preprocess(item.data, self.config, item.max_pixels))
+                self._enqueue(job, preprocess(job.data, self.config, job.max_pixels))
         except Exception as exc:  # a bad image fails its own requests only
-            self._finish(item.key_hex, error=exc)
+            self._finish(Encoded(job.key, error=exc))
 
-    def _preprocessed(self, item, fut: Future) -> None:
+    def _preprocessed(self, job: EncodeJob, fut: Future) -> None:
         try:
-            self._enqueue(item, fut.result())
+            self._enqueue(job, fut.result())
         except Exception as exc:
-            self._finish(item.key_hex, error=exc)
+            self._finish(Encoded(job.key, error=exc))
 
-    def _enqueue(self, item, px: PixelPatches) -> None:
-        if tuple(px.grid_thw) != tuple(item.grid_thw):
-            raise RuntimeError(f"preprocessing gave grid {px.grid_thw}, the prompt planned {item.grid_thw}")
-        self._queue.put(_Pending(item.key_hex, px.patches, tuple(px.grid_thw), item.ekey))
+    def _enqueue(self, job: EncodeJob, px: PixelPatches) -> None:
+        if tuple(px.grid_thw) != job.key.grid:
+            raise RuntimeError(f"preprocessing gave grid {px.grid_thw}, the prompt planned {job.key.grid}")
+        self._queue.put(_Pending(job.key, px.patches, tuple(px.grid_thw)))
 
     # -- batched encoding ------------------------------------------------------------------------------------
     def _next_batch(self) -> list[_Pending] | None:
@@ -212,25 +233,17 @@ class VisionPipeline:
                 if self.is_fatal(exc):
                     self.fatal = exc
                 for p in batch:
-                    self._finish(p.key, error=exc)
+                    self._finish(Encoded(p.key, error=exc))
                 continue
             for p, emb in zip(batch, embeddings):
                 if self.cache is not None:
-                    self.cache.put(p.ekey, emb)
-                self._finish(p.key, embedding=emb)
+                    self.cache.put(p.key, emb)
+                self._finish(Encoded(p.key, embedding=emb))
 
-    def _finish(
-        self, key: str, embedding: torch.Tensor | None = None, error: Exception | None = None
-    ) -> None:
+    def _finish(self, result: Encoded) -> None:
         with self._done:
-            items = self._waiters.pop(key, [])
-            for item in items:
-                # NOTE: the error is set before the embedding so a reader never sees neither.
-                if error is not None:
-                    item.error = error
-                    self.stats.errors += 1
-                else:
-                    item.embedding = embedding
+            self._in_flight.discard(result.key)
+            self._results.append(result)
+            if result.error is not None:
+                self.stats.errors += 1
             self._done.notify_all()
-        if self.on_ready is not None:
-            self.on_ready()

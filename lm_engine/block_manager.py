@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from lm_engine.prefix_cache import ROOT_HASH, PrefixIndex, block_key, hash_block
+from lm_engine.prefix_cache import PrefixIndex, extend_chain, hash_block
 from lm_engine.sequence import Sequence
 
 
@@ -68,34 +68,26 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     # -- prefix matching -------------------------------------------------------------------------------
-    def _match(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their hashes) for the longest prefix of ``seq``'s full blocks."""
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq``'s full blocks (confirmed by exact keys)."""
         if not self.enable_prefix_caching:
-            return [], []
-        bs = self.block_size
+            return []
         # NOTE: at least the last token is computed, so a sampler has logits for it.
-        n_full = (seq.num_tokens - 1) // bs
-        parent = ROOT_HASH
+        n_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        hashes: list[int] = []
-        for i in range(n_full):
-            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.images, i * bs)
-            h = hash_block(key)
-            block_id = self.index.lookup(h, key)
+        for block_hash, key in extend_chain(seq, n_full, self.block_size)[:n_full]:
+            block_id = self.index.lookup(block_hash, key)
             if block_id is None:
                 break
             hits.append(block_id)
-            hashes.append(h)
-            parent = h
-        return hits, hashes
+        return hits
 
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the prefix cache would serve if it were admitted now."""
-        return len(self._match(seq)[0]) * self.block_size
+        return len(self.lookup(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence, keep_watermark: bool = True) -> bool:
-        """Whether ``seq`` fits now; the watermark keeps room for running sequences to grow."""
-        hits, _ = self._match(seq)
+    def can_allocate(self, seq: Sequence, hits: list[int], keep_watermark: bool = True) -> bool:
+        """Whether ``seq`` fits now, given its prefix ``hits``; the watermark keeps room for running ones to grow."""
         reusable_free = sum(1 for b in hits if self.allocator.ref_counts[b] == 0)
         needed = self._blocks_for(seq.num_tokens) - len(hits)
         reserve = self.watermark_blocks if keep_watermark else 0
@@ -104,17 +96,18 @@ class BlockManager:
     def fits_at_all(self, num_tokens: int) -> bool:
         return self._blocks_for(num_tokens) <= self.num_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks; sets its computed count."""
+    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing its cached prefix ``hits`` (looked up if not given);
+        sets its computed count."""
         assert not seq.block_table
-        hits, hashes = self._match(seq)
+        hits = self.lookup(seq) if hits is None else hits
         for b in hits:
             self.allocator.incref(b)
         table = list(hits)
         for _ in range(self._blocks_for(seq.num_tokens) - len(hits)):
             table.append(self._take_free())
         seq.block_table = table
-        seq.block_hashes = hashes
+        seq.num_committed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
@@ -155,29 +148,27 @@ class BlockManager:
         for b in parent.block_table:
             self.allocator.incref(b)
         child.block_table = list(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
+        child.num_committed_blocks = parent.num_committed_blocks
 
     def commit(self, seq: Sequence) -> None:
         """Index the blocks of ``seq`` that became full and computed, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        n_full = seq.num_computed_tokens // bs
-        for i in range(len(seq.block_hashes), n_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.images, i * bs)
-            h = hash_block(key)
-            seq.block_hashes.append(h)
+        n_full = seq.num_computed_tokens // self.block_size
+        chain = extend_chain(seq, n_full, self.block_size)
+        for i in range(seq.num_committed_blocks, n_full):
+            block_hash, key = chain[i]
             block_id = seq.block_table[i]
-            if self.allocator.hashes[block_id] is None and self.index.insert(h, key, block_id):
-                self.allocator.hashes[block_id] = h
+            if self.allocator.hashes[block_id] is None and self.index.insert(block_hash, key, block_id):
+                self.allocator.hashes[block_id] = block_hash
+        seq.num_committed_blocks = max(seq.num_committed_blocks, n_full)
 
     def free(self, seq: Sequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so evict them first.
         for b in reversed(seq.block_table):
             self.allocator.decref(b)
         seq.block_table = []
-        seq.block_hashes = []
+        seq.num_committed_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for h, block_id in list(self.index.items()):

@@ -4,30 +4,19 @@ from __future__ import annotations
 
 import logging
 import resource
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from cache import EmbeddingKey
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.device import DeviceBinding, synchronize, to_device
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder, VisionTower
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
+from lm_engine.step_inputs import build_step
 
 log = logging.getLogger("vlmserve.engine")
-
-
-@dataclass(slots=True)
-class StepBatch:
-    """Everything one forward pass needs, built once per step."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    mm_rows: torch.Tensor | None
-    mm_embeds: torch.Tensor | None
-    logit_rows: torch.Tensor  # flat index of each completing chunk's last token
-    completing: list[ScheduledChunk]
 
 
 def _rss_peak_bytes() -> int:
@@ -151,49 +140,39 @@ class ModelRunner:
         else:
             base = _rss_peak_bytes()
         if image_patches:
-            merge = self.cfg.spatial_merge_size
-            side = max(merge, int(image_patches**0.5) // merge * merge)
-            dim = (
-                3
-                * int(self.cfg.vision.get("temporal_patch_size", 2))
-                * int(self.cfg.vision.get("patch_size", 14)) ** 2
-            )
-            pixels = torch.zeros(side * side, dim, device=self.device)
-            self.vision(pixels, torch.tensor([[1, side, side]], device=self.device))
-            del pixels
-        n_blocks = (max_tokens + self.block_size - 1) // self.block_size
-        c = self.cfg
-        caches = [
-            (
-                torch.zeros(
-                    n_blocks,
-                    self.block_size,
-                    c.num_key_value_heads,
-                    c.head_dim,
-                    dtype=self.dtype,
-                    device=self.device,
-                ),
-            )
-            * 2
-            for _ in range(c.num_hidden_layers)
-        ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(max_tokens, device=self.device),
-            num_decode_tokens=0,
-            decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=self.device),
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=self.device),
-            prefill_spans=[(0, max_tokens, max_tokens)],
-            prefill_block_tables=[torch.arange(n_blocks, device=self.device)],
-        )
-        ids = torch.zeros(max_tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(max_tokens, device=self.device).expand(3, -1)
-        hidden = self.model(ids, pos, caches, meta, self.backend)
-        self.model.compute_logits(hidden[-1:])
-        del caches, hidden
+            self._warm_vision(image_patches)
+        self._warm_decoder(max_tokens)
         if cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
         return max(0, _rss_peak_bytes() - base)
+
+    def _warm_vision(self, image_patches: int) -> None:
+        """The vision tower on one square image of about ``image_patches`` patches."""
+        merge, v = self.cfg.spatial_merge_size, self.cfg.vision
+        side = max(merge, int(image_patches**0.5) // merge * merge)
+        dim = 3 * int(v.get("temporal_patch_size", 2)) * int(v.get("patch_size", 14)) ** 2
+        pixels = torch.zeros(side * side, dim, device=self.device)
+        self.vision(pixels, torch.tensor([[1, side, side]], device=self.device))
+
+    def _warm_decoder(self, max_tokens: int) -> None:
+        """One prefill of a full token budget, into throwaway caches of its own."""
+        c, dev = self.cfg, self.device
+        n_blocks = (max_tokens + self.block_size - 1) // self.block_size
+        shape = (n_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev),) * 2 for _ in range(c.num_hidden_layers)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(max_tokens, device=dev),
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=dev),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=dev),
+            prefill_spans=[(0, max_tokens, max_tokens)],
+            prefill_block_tables=[torch.arange(n_blocks, device=dev)],
+        )
+        ids = torch.zeros(max_tokens, dtype=torch.long, device=dev)
+        pos = torch.arange(max_tokens, device=dev).expand(3, -1)
+        hidden = self.model(ids, pos, caches, meta, self.backend)
+        self.model.compute_logits(hidden[-1:])
 
     # -- vision ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -217,89 +196,22 @@ class ModelRunner:
         rows.record_stream(torch.cuda.default_stream(self.device))
         return rows
 
-    # -- one step ----------------------------------------------------------------------------------------
-    def build_batch(self, sched: SchedulerOutput) -> StepBatch:
-        """The step's inputs, gathered on the host and copied to the device in one transfer."""
-        bs, dev = self.block_size, self.device
-        chunks = sorted(sched.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
-        ids: list[int] = []
-        pos: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        dec_tables, dec_lens = [], []
-        spans, span_tables = [], []
-        mm_rows, mm_embeds = [], []
-        logit_rows, completing = [], []
-        for chunk in chunks:
-            seq, n = chunk.seq, chunk.num_tokens
-            start = seq.num_computed_tokens
-            end = start + n
-            base = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            pos.append(seq.position_rows(start, end))
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            j = torch.arange(start, end)
-            slots.append(table[j // bs] * bs + j % bs)
-            if n == 1:
-                dec_tables.append(seq.block_table)
-                dec_lens.append(end)
-            else:
-                spans.append((base, n, end))
-                span_tables.append(table)
-            for img in seq.images:
-                lo, hi = max(start, img.offset), min(end, img.offset + img.length)
-                if lo < hi:
-                    assert img.embedding is not None, "image rows scheduled before the image was encoded"
-                    if img.embedding.device != dev:  # an embedding read back from Redis: moved once
-                        img.embedding = to_device(img.embedding, dev)
-                    mm_rows.append(torch.arange(base + lo - start, base + hi - start))
-                    mm_embeds.append(img.embedding[lo - img.offset : hi - img.offset])
-            if chunk.completes:
-                logit_rows.append(base + n - 1)
-                completing.append(chunk)
-        max_blocks = max((len(t) for t in dec_tables), default=1)
-        dec_block_tables = torch.zeros(len(dec_tables), max_blocks, dtype=torch.long)
-        for i, t in enumerate(dec_tables):
-            dec_block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-        host = [
-            torch.tensor(ids, dtype=torch.long),
-            torch.cat(pos, dim=1),
-            torch.cat(slots),
-            dec_block_tables,
-            torch.tensor(dec_lens, dtype=torch.long),
-            torch.tensor(logit_rows, dtype=torch.long),
-            torch.cat(mm_rows) if mm_rows else torch.zeros(0, dtype=torch.long),
-            *span_tables,
-        ]
-        input_ids, positions, slot_mapping, tables, lens, logit_index, mm_index, *prefill_tables = (
-            _ship_together(host, dev)
-        )
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            num_decode_tokens=len(dec_tables),
-            decode_block_tables=tables.to(torch.int32),
-            decode_context_lens=lens.to(torch.int32),
-            prefill_spans=spans,
-            prefill_block_tables=prefill_tables,
-            max_decode_context=max(dec_lens, default=0),
-        )
-        return StepBatch(
-            input_ids=input_ids,
-            positions=positions,
-            meta=meta,
-            mm_rows=mm_index if mm_rows else None,
-            mm_embeds=torch.cat(mm_embeds) if mm_embeds else None,
-            logit_rows=logit_index,
-            completing=completing,
-        )
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` on the engine's device (from the calling thread)."""
+        self.bind_thread()
+        return to_device(tensor, self.device) if tensor.device.type == "cpu" else tensor.to(self.device)
 
+    # -- one step ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[ScheduledChunk], torch.Tensor]:
+    def execute(
+        self, sched: SchedulerOutput, embeddings: Mapping[EmbeddingKey, torch.Tensor]
+    ) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run the step; returns the chunks that reached their last token and their logits ([N, vocab],
         float32, on the device: the sampler reads them there)."""
         self.bind_thread()
         for src, dst in sched.block_copies:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch = self.build_batch(sched)
+        batch = build_step(sched, embeddings, self.block_size, self.device)
         hidden = self.model(
             batch.input_ids,
             batch.positions,
@@ -315,18 +227,3 @@ class ModelRunner:
             synchronize(self.device)
             return [], hidden.new_empty(0, self.cfg.vocab_size, dtype=torch.float32)
         return batch.completing, self.model.compute_logits(hidden[batch.logit_rows])
-
-
-def _ship_together(host: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """``host`` (int64 tensors) packed into one buffer, copied to ``device`` once, and returned as views of
-    the copy in their own shapes. Each part starts 64-byte aligned (kernels specialise on pointer alignment)."""
-    sizes = [t.numel() for t in host]
-    starts, total = [], 0
-    for n in sizes:
-        starts.append(total)
-        total += -(-n // 8) * 8
-    buf = torch.zeros(total, dtype=torch.long)
-    for t, start, n in zip(host, starts, sizes):
-        buf[start : start + n] = t.reshape(-1)
-    buf = to_device(buf, device)
-    return [buf[start : start + n].view(t.shape) for t, start, n in zip(host, starts, sizes)]

@@ -5,6 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why a request failed before it produced anything: its image was bad (400), or the encoder failed on
+    a good one (500). The API answers with it as an OpenAI error body."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -26,8 +37,7 @@ class RequestOutput:
     visual_tokens: list[int] = field(default_factory=list)
     visual_levels: list[int] = field(default_factory=list)  # visual budget level per image (0 = full)
     metrics: dict = field(default_factory=dict)
-    # {"message", "code", "param", "status"} when the request failed: 400 for a bad image, 500 for a fault
-    error: dict | None = None
+    error: RequestError | None = None
 
     # Single-choice conveniences (choice 0).
     @property

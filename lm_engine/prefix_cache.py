@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from lm_engine.sequence import ImageItem
+from lm_engine.sequence import ImageItem, Sequence
 
 ROOT_HASH = 0x9E3779B97F4A7C15  # any fixed value: the parent of a sequence's first block
 
@@ -31,8 +31,8 @@ class BlockKey:
 def block_extra_keys(images: Seq[ImageItem], start: int, end: int) -> tuple[bytes, ...]:
     keys = []
     for img in images:
-        if img.offset < end and img.offset + img.length > start:
-            keys.append(img.key + (img.offset - start).to_bytes(8, "little", signed=True))
+        if img.offset < end and img.end > start:
+            keys.append(img.key.raw + (img.offset - start).to_bytes(8, "little", signed=True))
     return tuple(keys)
 
 
@@ -49,6 +49,19 @@ def hash_block(key: BlockKey) -> int:
 
 def block_key(parent: int, token_ids: Seq[int], images: Seq[ImageItem], start: int) -> BlockKey:
     return BlockKey(parent, tuple(token_ids), block_extra_keys(images, start, start + len(token_ids)))
+
+
+def extend_chain(seq: Sequence, num_blocks: int, block_size: int) -> list[tuple[int, BlockKey]]:
+    """``seq.block_chain`` grown to (at least) its first ``num_blocks`` full blocks and returned: each block's
+    key and hash are computed once per sequence, however often it is looked up or committed."""
+    chain = seq.block_chain
+    for i in range(len(chain), num_blocks):
+        parent = chain[-1][0] if chain else ROOT_HASH
+        key = block_key(
+            parent, seq.token_ids[i * block_size : (i + 1) * block_size], seq.images, i * block_size
+        )
+        chain.append((hash_block(key), key))
+    return chain
 
 
 class PrefixIndex:

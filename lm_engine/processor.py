@@ -7,7 +7,7 @@ import binascii
 import io
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,11 +31,29 @@ class InputError(ValueError):
 
 
 @dataclass(slots=True)
+class ImageInput:
+    """An image part of a chat message: where its bytes come from, and the ``detail`` it asked for."""
+
+    source: bytes | str | Image.Image  # the bytes, a URL (data:, http(s):, file:) or a PIL image
+    detail: str | None = None
+
+
+@dataclass(slots=True)
+class ChatInput:
+    """Chat messages normalized: for the template, image parts reduced to ``{"type": "image"}``; the image
+    parts themselves in prompt order."""
+
+    messages: list[dict]
+    images: list[ImageInput]
+
+
+@dataclass(slots=True)
 class PromptInputs:
     token_ids: list[int]
     images: list[ImageItem]
     positions: torch.Tensor
     position_delta: int
+    image_data: dict[EmbeddingKey, bytes]  # each image's encoded bytes, for the encoder
 
 
 def _load_chat_template(path: Path) -> str:
@@ -69,31 +87,22 @@ def decode_data_url(url: str) -> bytes:
         raise InputError(f"data: URL is not valid base64 ({exc})", param="image_url") from None
 
 
-def image_bytes_of(part: dict) -> bytes | Image.Image:
-    """The encoded bytes (or a PIL image) an OpenAI-style image part carries."""
+def _image_source(part: dict) -> bytes | str | Image.Image:
     if part.get("type") == "image":
         img = part.get("image")
         if isinstance(img, (bytes, bytearray, memoryview)):
             return bytes(img)
-        if isinstance(img, Image.Image):
+        if isinstance(img, (Image.Image, str)):
             return img
-        if isinstance(img, str):
-            part = {"image_url": img}
-        else:
-            raise InputError("image part must carry bytes, a PIL image or a data: URL", param="image")
+        raise InputError("image part must carry bytes, a PIL image or a URL", param="image")
     spec = part.get("image_url")
     url = spec.get("url") if isinstance(spec, dict) else spec
-    if not isinstance(url, str):
+    if not isinstance(url, str) or not url:
         raise InputError("image_url part needs a url", param="image_url")
-    if url.startswith("data:"):
-        return decode_data_url(url)
-    raise InputError(
-        f"unsupported image URL scheme in offline use: {url[:32]!r} (pass bytes or a data: URL)",
-        param="image_url",
-    )
+    return url
 
 
-def image_detail(part: dict) -> str | None:
+def _image_detail(part: dict) -> str | None:
     spec = part.get("image_url")
     detail = spec.get("detail") if isinstance(spec, dict) else None
     detail = detail or part.get("detail")
@@ -102,8 +111,9 @@ def image_detail(part: dict) -> str | None:
     return detail
 
 
-def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Messages with image parts reduced to {"type": "image"} for the template, and the image parts in order."""
+def normalize_messages(messages: list[dict]) -> ChatInput:
+    """OpenAI-style messages (text, ``image_url`` and ``image`` parts) → the one form every entry point uses
+    (the server, ``vlmserve batch`` and the offline ``LLM``)."""
     if not isinstance(messages, list) or not messages:
         raise InputError("messages must be a non-empty list", param="messages")
     out, images = [], []
@@ -111,6 +121,8 @@ def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
         if not isinstance(msg, dict) or "role" not in msg:
             raise InputError(f"messages[{i}] must be an object with a role", param="messages")
         content = msg.get("content")
+        if content is None and msg["role"] != "assistant":
+            raise InputError(f"messages[{i}].content must not be null", param="messages")
         if content is None or isinstance(content, str):
             out.append({"role": msg["role"], "content": content or ""})
             continue
@@ -122,12 +134,35 @@ def normalize_messages(messages: list[dict]) -> tuple[list[dict], list[dict]]:
             if kind == "text":
                 parts.append({"type": "text", "text": str(part.get("text", ""))})
             elif kind in ("image_url", "image"):
-                images.append(part)
+                images.append(ImageInput(_image_source(part), _image_detail(part)))
                 parts.append({"type": "image"})
             else:
                 raise InputError(f"messages[{i}]: unsupported content part type {kind!r}", param="messages")
         out.append({"role": msg["role"], "content": parts})
-    return out, images
+    return ChatInput(out, images)
+
+
+def _text_chars(messages: list[dict]) -> int:
+    total = 0
+    for msg in messages:
+        content = msg["content"]
+        if isinstance(content, str):
+            total += len(content)
+        else:
+            total += sum(len(p.get("text", "")) for p in content)
+    return total
+
+
+def _offline_bytes(source: bytes | str | Image.Image) -> bytes | Image.Image:
+    """An image's bytes where no fetching is allowed (the offline API): bytes, PIL images, data: URLs."""
+    if not isinstance(source, str):
+        return source
+    if source.startswith("data:"):
+        return decode_data_url(source)
+    raise InputError(
+        f"unsupported image URL scheme in offline use: {source[:32]!r} (pass bytes or a data: URL)",
+        param="image_url",
+    )
 
 
 def image_identity(data: bytes) -> str:
@@ -169,40 +204,58 @@ class InputProcessor:
         self.preprocess_fingerprint = preprocess_config.fingerprint()
         self.model_fingerprint = ""  # set once the vision weights are loaded
         self.merge = cfg.spatial_merge_size
+        self.max_prompt_tokens = 0  # set by the engine once the context is known; 0: no early bound
+        self.longest_token = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
 
     def render(self, messages: list[dict]) -> str:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def process_chat(
-        self, messages: list[dict], budget: Callable[[str | None], int | None] | None = None
+        self, chat: ChatInput | list[dict], budget: Callable[[str | None], int | None] | None = None
     ) -> PromptInputs:
-        """``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's)."""
-        norm, image_parts = normalize_messages(messages)
-        text = self.render(norm)
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """Messages (or their normalized form, image sources already fetched) → the prompt.
+        ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's)."""
+        if not isinstance(chat, ChatInput):
+            chat = normalize_messages(chat)
+        # NOTE: no token is longer than the longest in the vocabulary, so text this long cannot fit the
+        # context: refused before the template and the tokenizer spend seconds on it.
+        if (
+            self.max_prompt_tokens
+            and _text_chars(chat.messages) > self.max_prompt_tokens * self.longest_token
+        ):
+            raise InputError(
+                f"the messages are far longer than this model's context of {self.max_prompt_tokens} tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        ids = self.tokenizer.encode(self.render(chat.messages), add_special_tokens=False).ids
         pad = self.cfg.image_token_id
-        if ids.count(pad) != len(image_parts):
+        if ids.count(pad) != len(chat.images):
             raise InputError("the number of image placeholders does not match the number of images")
-        budgets = [budget(image_detail(p)) if budget else None for p in image_parts]
-        items = [
-            self.process_image(image_bytes_of(p), budget, index=i)
-            for i, (p, budget) in enumerate(zip(image_parts, budgets))
-        ]
+        items, data = [], {}
+        for i, image in enumerate(chat.images):
+            item, data_i = self.process_image(
+                _offline_bytes(image.source), budget(image.detail) if budget else None, i
+            )
+            items.append(item)
+            data[item.key] = data_i
         token_ids: list[int] = []
+        placed = []
         pending = iter(items)
         for tok in ids:
             if tok == pad:
                 item = next(pending)
-                item.offset = len(token_ids)
+                placed.append(replace(item, offset=len(token_ids)))
                 token_ids.extend([pad] * item.length)
             else:
                 token_ids.append(tok)
-        positions, delta = mrope_positions(token_ids, [(i.offset, i.grid_thw) for i in items], self.merge)
-        return PromptInputs(token_ids, items, positions, delta)
+        positions, delta = mrope_positions(token_ids, [(i.offset, i.grid) for i in placed], self.merge)
+        return PromptInputs(token_ids, placed, positions, delta, data)
 
     def process_image(
         self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0
-    ) -> ImageItem:
+    ) -> tuple[ImageItem, bytes]:
+        """An image's item (placed at offset -1 until the prompt places it) and its encoded bytes."""
         if isinstance(data, Image.Image):
             data = encode_pil(data)
         try:
@@ -210,18 +263,8 @@ class InputProcessor:
             grid = plan_grid(info, self.preprocess_config, max_pixels)
         except PreprocessError as exc:
             raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
-        ident = image_identity(data)
-        ekey = EmbeddingKey(ident, grid, self.preprocess_fingerprint, self.model_fingerprint)
-        return ImageItem(
-            offset=-1,
-            length=num_visual_tokens(grid, self.merge),
-            key=ekey.digest().encode(),
-            grid_thw=grid,
-            image_hash=ident,
-            data=data,
-            max_pixels=max_pixels,
-            ekey=ekey,
-        )
+        key = EmbeddingKey(image_identity(data), grid, self.preprocess_fingerprint, self.model_fingerprint)
+        return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

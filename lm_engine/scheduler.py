@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lm_engine.block_manager import BlockManager
 from lm_engine.sequence import Sequence, SequenceStatus
+from lm_engine.step_budget import ClientUsage, StepBudget
 
 
 @dataclass(slots=True)
@@ -37,121 +37,95 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        ready: Callable[[Sequence], bool] | None = None,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.bm = block_manager
-        self.ready = ready  # False while a waiting sequence's images are still being encoded
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        # Recent tokens scheduled per client (decayed each step): prefill goes to the least-served first.
-        self.served: dict[str, float] = {}
-        self.fairness_decay = 0.97
-        self.waiting: deque[Sequence] = deque()
+        self.usage = ClientUsage()
+        self.waiting: deque[Sequence] = deque()  # arrival order; WAITING_FOR_IMAGES ones are skipped
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
-        # Prefill tokens a step may carry beside decodes (None: the whole budget); the engine sets it from the
-        # per-token latency target and the measured prefill rate.
-        self.prefill_cap_with_decodes: int | None = None
+        # Prefill tokens a step may carry beside decodes (None: the whole budget); the engine's load control
+        # sets it from the per-token latency target and the measured prefill rate.
+        self.prefill_cap: int | None = None
 
     def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def waiting_tokens(self) -> int:
         return sum(s.num_uncomputed for s in self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._decay_served()
-        scheduled: set[int] = set()
-        # Decodes first (one token each), so running requests keep streaming under prefill pressure.
-        budget = self.max_num_batched_tokens
+        self.usage.step()
+        budget = StepBudget(self.max_num_batched_tokens, self.prefill_cap, self.bm.block_size)
+        # Decodes first, one token each, so running requests keep streaming under prefill pressure.
         for seq in [s for s in self.running if s.num_uncomputed == 1]:
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
-            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, out, scheduled):
-                budget -= 1
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, out):  # not preempted meanwhile
+                budget.tokens -= 1
         if out.preempted:
             return out  # memory is short: admit nothing new this step
-        if out.chunks and self.prefill_cap_with_decodes is not None:
-            budget = min(budget, self.prefill_cap_with_decodes)  # streams wait for this step's prefill
-        # Prefill: each client with prefill work gets an equal share first (least-served first) ...
-        share, used = self._client_share(budget), {}
-        chunk_of: dict[int, ScheduledChunk] = {}
-        for seq in sorted(self._prefilling(), key=self._served_of):
-            n = min(seq.num_uncomputed, budget, share - used.get(seq.client_key, 0))
-            if n > 0 and self._grow(seq, n, out, scheduled):
-                chunk_of[seq.seq_id] = out.chunks[-1]
-                used[seq.client_key] = used.get(seq.client_key, 0) + n
-                budget -= n
-        for seq in sorted(self.waiting, key=self._served_of):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                break
-            n = min(seq.num_uncomputed, budget, share - used.get(seq.client_key, 0))
-            if n <= 0:
+        # Then prefill chunks, running prompts before new admissions, the least-served client first, each
+        # client within its fair share of what the decodes left.
+        candidates = self._prefill_candidates()
+        demand: dict[str, int] = {}
+        for seq in candidates:
+            demand[seq.client_key] = demand.get(seq.client_key, 0) + seq.num_uncomputed
+        budget.plan_prefill(demand, with_decodes=bool(out.chunks))
+        preempted = {s.seq_id for s in out.preempted}
+        for seq in candidates:
+            n = budget.grant(seq.client_key, seq.num_uncomputed)
+            if n <= 0 or seq.seq_id in preempted:
                 continue
-            if self.ready is not None and not self.ready(seq):
-                continue  # its images are still on the way; later requests may go first
-            if not self.bm.can_allocate(seq, keep_watermark=bool(self.running)):
-                break
-            self._admit(seq)
-            n = min(seq.num_uncomputed, n)  # the prefix cache may have served part of it
-            out.chunks.append(ScheduledChunk(seq, n))
-            chunk_of[seq.seq_id] = out.chunks[-1]
-            used[seq.client_key] = used.get(seq.client_key, 0) + n
-            budget -= n
-        # ... then whatever budget is left goes to the prefill work that wants more (work-conserving).
-        for seq in self._prefilling():
-            if budget <= 0:
-                break
-            chunk = chunk_of.get(seq.seq_id)
-            extra = min(seq.num_uncomputed - (chunk.num_tokens if chunk else 0), budget)
-            if extra <= 0:
-                continue
-            if chunk is not None:
-                chunk.num_tokens += extra
-            elif not self._grow(seq, extra, out, scheduled):
-                continue
-            budget -= extra
+            if seq.status is SequenceStatus.WAITING and not self._admit(seq):
+                break  # no room: later arrivals would not fit either
+            n = min(n, seq.num_uncomputed)  # the prefix cache may have served part of it
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, n, out):
+                budget.spend(seq.client_key, n)
+            preempted.update(s.seq_id for s in out.preempted)
         for chunk in out.chunks:
-            key = chunk.seq.client_key
-            self.served[key] = self.served.get(key, 0.0) + chunk.num_tokens
+            self.usage.record(chunk.seq.client_key, chunk.num_tokens)
         return out
 
-    def _prefilling(self) -> list[Sequence]:
-        return [s for s in self.running if s.num_uncomputed > 1 and s.status is SequenceStatus.RUNNING]
+    def _prefill_candidates(self) -> list[Sequence]:
+        """Running prompts, then the waiting sequences that may be admitted (ready, within max_num_seqs)."""
+        running = [s for s in self.running if s.num_uncomputed > 1 and s.status is SequenceStatus.RUNNING]
+        room = self.max_num_seqs - len(self.running)
+        waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING][: max(0, room)]
+        return sorted(running, key=self._served) + sorted(waiting, key=self._served)
 
-    def _served_of(self, seq: Sequence) -> float:
-        return self.served.get(seq.client_key, 0.0)
+    def _served(self, seq: Sequence) -> float:
+        return self.usage.of(seq.client_key)
 
-    def _decay_served(self) -> None:
-        for client in list(self.served):
-            self.served[client] *= self.fairness_decay
-            if self.served[client] < 1:
-                del self.served[client]
+    def _admit(self, seq: Sequence) -> bool:
+        """Give a waiting sequence its blocks (prefix hits first); False if the pool has no room for it.
 
-    def _client_share(self, prefill_budget: int) -> int:
-        """With several clients wanting prefill, each first gets an equal share of the step's budget."""
-        clients = {s.client_key for s in self._prefilling()}
-        clients.update(s.client_key for s in self.waiting)
-        if len(clients) <= 1:
-            return self.max_num_batched_tokens
-        return max(self.bm.block_size, prefill_budget // len(clients))
+        NOTE: its images were made ready for the prefix the cache held then; if an admission earlier in this
+        step evicted part of it, the images past what is left are not encoded: it goes back to waiting for
+        them (and True: that is no reason to stop admitting others)."""
+        hits = self.bm.lookup(seq)
+        if len(hits) * self.bm.block_size < seq.images_ready_after:
+            seq.status = SequenceStatus.WAITING_FOR_IMAGES
+            return True
+        if not self.bm.can_allocate(seq, hits, keep_watermark=bool(self.running)):
+            return False
+        self.waiting.remove(seq)
+        self.bm.allocate(seq, hits)
+        if not seq.first_admitted:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.first_admitted = True
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
 
-    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+    def _grow(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Schedule ``n`` tokens of a running sequence, preempting later arrivals if blocks run out."""
         end = seq.num_computed_tokens + n
         copies = self.bm.ensure_slots(seq, end)
         while copies is None:
-            victim = self._pick_victim(exclude=scheduled)
+            victim = self._pick_victim(exclude={c.seq.seq_id for c in out.chunks})
             if victim is None or victim is seq:
                 self._preempt(seq, out)
                 return False
@@ -159,17 +133,7 @@ class Scheduler:
             copies = self.bm.ensure_slots(seq, end)
         out.block_copies.extend(copies)
         out.chunks.append(ScheduledChunk(seq, n))
-        scheduled.add(seq.seq_id)
         return True
-
-    def _admit(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
-        self.bm.allocate(seq)
-        if not seq.first_admitted:
-            seq.num_cached_tokens = seq.num_computed_tokens
-            seq.first_admitted = True
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
 
     def _pick_victim(self, exclude: set[int]) -> Sequence | None:
         for seq in reversed(self.running):

@@ -9,39 +9,38 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cache import EmbeddingKey
 from lm_engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_IMAGES = "waiting_for_images"  # images it must prefill are still being encoded
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(frozen=True, slots=True)
 class ImageItem:
-    """One image's placeholder span in a prompt.
+    """One image in a prompt, the one type it travels as: where its placeholder rows sit, and its identity.
 
-    ``key`` is the image's identity for caching: the embedding-cache key's digest (image bytes hash,
-    grid, preprocessing config, model fingerprint), the same bytes that go into prefix-cache block
-    hashes. ``embedding`` holds the connector output rows once encoded (set by the vision pipeline);
-    chunked prefill slices it, never re-encodes it. ``error`` is set instead when the image fails.
+    ``key`` (image bytes hash, patch grid, preprocessing, vision weights) names the image everywhere: the
+    embedding cache and the encoder look its embedding up by it, prefix-cache block hashes include it, and
+    the engine keeps the encoded rows under it while requests need them. Chunked prefill slices those rows.
     """
 
-    offset: int
-    length: int
-    key: bytes
-    grid_thw: tuple[int, int, int]
-    image_hash: str = ""
-    data: bytes | None = None  # the encoded image, until preprocessed
-    max_pixels: int | None = None  # the visual budget the grid was planned with
-    ekey: object = None  # cache.EmbeddingKey
-    embedding: torch.Tensor | None = None
-    error: Exception | None = None
+    offset: int  # of the first placeholder token in the prompt
+    length: int  # placeholder tokens = embedding rows
+    key: EmbeddingKey
+    max_pixels: int | None = None  # the visual budget its grid was planned with
 
     @property
-    def key_hex(self) -> str:
-        return self.key.decode()
+    def grid(self) -> tuple[int, int, int]:
+        return self.key.grid
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
 
 
 _seq_ids = itertools.count()
@@ -58,12 +57,17 @@ class Sequence:
     positions: torch.Tensor | None = None
     position_delta: int = 0
     index: int = 0  # choice index within the request (n > 1)
+    client_key: str = ""  # who sent it: prefill is shared fairly between clients
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    # Its images are encoded past this many tokens: admitted only while the prefix cache covers the rest.
+    images_ready_after: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_committed_blocks: int = 0  # leading blocks of the table already offered to the prefix index
+    # (hash, key) of each full block of its tokens so far, chained; content-derived, so computed once.
+    block_chain: list = field(default_factory=list)
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -74,7 +78,6 @@ class Sequence:
     first_token_time: float | None = None
     num_preemptions: int = 0
     first_admitted: bool = False
-    client_key: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -119,13 +122,14 @@ class Sequence:
             positions=self.positions,
             position_delta=self.position_delta,
             index=index,
+            client_key=self.client_key,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            images_ready_after=self.images_ready_after,
+            num_committed_blocks=self.num_committed_blocks,
+            block_chain=list(self.block_chain),
+            arrival_time=self.arrival_time,
+            first_admitted=True,
         )
-        child.status = self.status
-        child.num_computed_tokens = self.num_computed_tokens
-        child.num_cached_tokens = self.num_cached_tokens
-        child.block_table = list(self.block_table)
-        child.block_hashes = list(self.block_hashes)
-        child.arrival_time = self.arrival_time
-        child.first_admitted = True
-        child.client_key = self.client_key
         return child

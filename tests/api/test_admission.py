@@ -17,7 +17,7 @@ from api.config import ServerArgs
 from api.media import MediaFetcher
 from api.server import CHAT_PATH, create_app
 from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
-from lm_engine.engine import AdmissionState
+from lm_engine.admission import AdmissionState
 from lm_engine.processor import InputError
 from tests.support import make_image, user
 
@@ -119,7 +119,9 @@ def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetche
             assert stall.entered.wait(10)
             # What the controller's update would publish at the floor with too much queued (the step in
             # progress publishes again only when it ends).
-            engine.admission = AdmissionState(True, 4.2, "even the lowest visual budget leaves 9 s", 9.0)
+            engine.admission.state = AdmissionState(
+                True, 4.2, "even the lowest visual budget leaves 9 s", 9.0
+            )
             resp, elapsed = timed_post(client, WITH_IMAGE)
             stall.release.set()
             assert first.result().status_code == 200  # admitted before: never dropped
@@ -128,7 +130,7 @@ def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetche
         assert fetches == []
         assert "lowest visual budget" in resp.json()["error"]["message"]
         # The step's end published the real state: an idle engine refuses nothing.
-        assert not engine.admission.overloaded
+        assert not engine.admission.state.overloaded
         assert client.post(CHAT_PATH, json=WITH_IMAGE).status_code == 200
         assert "vlmserve_admission_overloaded 0.0" in client.get("/metrics").text
 
@@ -140,7 +142,7 @@ def test_queued_token_bound_is_checked_with_the_prompt_size(tiny_ckpt):
         assert_overloaded(resp)
         assert "queue of prompt tokens is full" in resp.json()["error"]["message"]
         assert client.post(CHAT_PATH, json=CHAT).status_code == 200
-        assert client.app.state.engine.queued_tokens == 0
+        assert client.app.state.engine.engine.admission.queued_tokens == 0
 
 
 def test_queue_counts_never_leak(tiny_ckpt):
@@ -149,7 +151,7 @@ def test_queue_counts_never_leak(tiny_ckpt):
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     def counts(ae: AsyncEngine) -> tuple[int, int]:
-        return ae.queued_requests, ae.queued_tokens
+        return ae.engine.admission.queued_requests, ae.engine.admission.queued_tokens
 
     async def until(cond, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -208,7 +210,7 @@ def test_queue_counts_never_leak(tiny_ckpt):
             streams = [await ae.add_request(f"after{i}", prompt, params) for i in range(2)]
             for s in streams:
                 assert [o async for o in s][-1].finished
-            await until(lambda: counts(ae) == (0, 0) and not ae._unadmitted)
+            await until(lambda: counts(ae) == (0, 0))
         finally:
             await asyncio.to_thread(ae.shutdown)
 

@@ -62,6 +62,36 @@ def test_request_body_cap(tiny_ckpt):
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
+def test_an_oversized_prompt_is_refused_before_the_template_and_tokenizer(tiny_ckpt):
+    """Megabytes of text that cannot fit the context are refused at a glance (no token is longer than the
+    longest in the vocabulary): the chat template and the tokenizer never see them, so they cost the requests
+    beside them nothing."""
+    with make_client(tiny_ckpt) as client:
+        processor = client.app.state.engine.engine.processor
+        rendered: list[int] = []
+        render = processor.render
+        processor.render = lambda messages: rendered.append(len(str(messages))) or render(messages)
+        huge = {**CHAT, "messages": [{"role": "user", "content": "word " * 800_000}]}  # 4 MB
+        resp = client.post("/v1/chat/completions", json=huge)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert rendered == []
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert len(rendered) == 1 and rendered[0] < 1000
+
+
+def test_null_user_content_is_a_400(tiny_ckpt):
+    with make_client(tiny_ckpt) as client:
+        resp = client.post(
+            "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": None}]}
+        )
+        assert resp.status_code == 400
+        assert "must not be null" in resp.json()["error"]["message"]
+        # An assistant turn without content (e.g. one that only called tools) is fine.
+        history = [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]
+        assert client.post("/v1/chat/completions", json={**CHAT, "messages": history}).status_code == 200
+
+
 def test_admission_control_refusal_is_503_with_retry_after(tiny_ckpt):
     with make_client(tiny_ckpt, {"max_queued_requests": 0}) as client:
         resp = client.post("/v1/chat/completions", json=CHAT)

@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from encoder import EncodeJob
 from lm_engine import LLM, SamplingParams
 from preprocess import preprocess
 from tests.support import image_part, make_image, user
@@ -13,17 +14,21 @@ from tests.support import image_part, make_image, user
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
-def items_for(llm: LLM, images: list[bytes]):
+def jobs_for(llm: LLM, images: list[bytes]) -> list[EncodeJob]:
     prompt = llm.engine.process_chat(user(*[image_part(d) for d in images], "?"))
-    return prompt.images
+    return [EncodeJob(im.key, prompt.image_data[im.key], im.max_pixels) for im in prompt.images]
 
 
-def wait_all(llm: LLM, items, timeout: float = 30.0) -> None:
+def results_of(llm: LLM, jobs: list[EncodeJob], timeout: float = 30.0) -> dict:
+    """Submit the jobs and collect every key's result (the engine's side of the hand-off)."""
     pipe = llm.engine.vision
-    pipe.request(items)
+    pipe.submit(jobs)
+    results: dict = {}
     for _ in range(int(timeout / 0.05)):
-        if all(i.embedding is not None or i.error is not None for i in items):
-            return
+        for r in pipe.take_results():
+            results.setdefault(r.key, []).append(r)
+        if {j.key for j in jobs} <= set(results):
+            return results
         pipe.wait(0.05)
     raise AssertionError("vision pipeline did not finish")
 
@@ -31,30 +36,31 @@ def wait_all(llm: LLM, items, timeout: float = 30.0) -> None:
 def test_batched_encoding_equals_one_at_a_time(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0, encoder_max_wait_ms=200)
     images = [make_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (224, 168), (333, 517), (640, 480)])]
-    batched = items_for(llm, images)
-    wait_all(llm, batched)
+    jobs = jobs_for(llm, images)
+    results = results_of(llm, jobs)
     assert llm.engine.vision.stats.batches < len(images)  # really packed together
     runner = llm.engine.runner
-    for item in batched:
-        px = preprocess(item.data, llm.engine.preprocess_config)
+    for job in jobs:
+        px = preprocess(job.data, llm.engine.preprocess_config)
         alone = runner.encode_images(torch.from_numpy(px.patches), torch.tensor([px.grid_thw]))
-        torch.testing.assert_close(item.embedding, alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results[job.key][0].embedding, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_identical_images_in_flight_are_encoded_once(tiny_ckpt):
     llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0)
     img = make_image(224, 224, 42)
-    items = [it for _ in range(4) for it in items_for(llm, [img, img])]
-    # NOTE: the encoder waits until every item has been requested; otherwise a fast machine (or a slow
-    # request loop) could finish the first encode before the last copy is requested.
-    pipe, requested = llm.engine.vision, threading.Event()
+    jobs = [j for _ in range(4) for j in jobs_for(llm, [img, img])]
+    assert len(jobs) == 8 and len({j.key for j in jobs}) == 1  # eight copies of one image: one key
+    # NOTE: the encoder waits until every job has been submitted; otherwise a fast machine (or a slow
+    # submitting loop) could finish the first encode before the last copy arrives.
+    pipe, submitted = llm.engine.vision, threading.Event()
     encode = pipe.encode
-    pipe.encode = lambda pixels, grid: (requested.wait(30), encode(pixels, grid))[1]
-    pipe.request(items)
-    requested.set()
-    wait_all(llm, items)
+    pipe.encode = lambda pixels, grid: (submitted.wait(30), encode(pixels, grid))[1]
+    pipe.submit(jobs)
+    submitted.set()
+    results = results_of(llm, jobs)
     assert llm.engine.vision.stats.images == 1
-    assert all(it.embedding is items[0].embedding for it in items)
+    assert len(results[jobs[0].key]) == 1 and results[jobs[0].key][0].embedding is not None
 
 
 def test_bad_image_fails_only_its_request(tiny_ckpt):
@@ -70,9 +76,11 @@ def test_bad_image_fails_only_its_request(tiny_ckpt):
             if out.finished:
                 done[out.request_id] = out
         eng.check_integrity()
-    assert done["bad"].error is not None and "image 0" in done["bad"].error["message"]
+    error = done["bad"].error
+    assert error is not None and error.status == 400 and "image 0" in error.message
     assert done["good"].error is None and len(done["good"].token_ids) == 12
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert not eng.images.ready and not eng.images.failed  # nothing kept past its requests
     # The engine keeps serving.
     (again,) = llm.chat([user(image_part(good), "ok?")], GREEDY)
     assert again.token_ids == done["good"].token_ids

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cache import EmbeddingKey
 from lm_engine import prefix_cache
 from lm_engine.block_manager import BlockManager
 from lm_engine.sampling_params import SamplingParams
@@ -67,13 +68,13 @@ def test_hash_collision_is_rejected_by_exact_comparison(monkeypatch):
 
 def test_image_identity_separates_identical_placeholder_blocks():
     pad = 99
-    img = lambda key: ImageItem(offset=1, length=6, key=key, grid_thw=(1, 4, 6))  # noqa: E731
+    img = lambda name: ImageItem(offset=1, length=6, key=EmbeddingKey(name, (1, 4, 6), "pre", "model"))  # noqa: E731
     bm = BlockManager(16, BS)
-    a = seq_of([5] + [pad] * 6 + [6, 7], [img(b"image-a")])
+    a = seq_of([5] + [pad] * 6 + [6, 7], [img("image-a")])
     bm.allocate(a)
     compute_all(bm, a)
-    same = seq_of([5] + [pad] * 6 + [6, 7], [img(b"image-a")])
-    other = seq_of([5] + [pad] * 6 + [6, 7], [img(b"image-b")])
+    same = seq_of([5] + [pad] * 6 + [6, 7], [img("image-a")])
+    other = seq_of([5] + [pad] * 6 + [6, 7], [img("image-b")])
     assert bm.cached_prefix_tokens(same) == 8
     assert bm.cached_prefix_tokens(other) == 0
 

@@ -6,8 +6,9 @@ import threading
 
 import torch
 
-from lm_engine import LLM, SamplingParams
+from lm_engine import LLM, SamplingParams, model_runner
 from lm_engine.device import DeviceBinding, is_fatal_device_error
+from lm_engine.step_inputs import build_step
 from tests.support import image_part, make_image, user
 
 
@@ -40,14 +41,15 @@ def test_binding_sets_the_device_once_in_every_thread(monkeypatch):
     assert len(calls) == 2
 
 
-def test_step_inputs_travel_in_one_buffer(tiny_ckpt):
+def test_step_inputs_travel_in_one_buffer(tiny_ckpt, monkeypatch):
     """Every integer input of a step (ids, positions, slots, block tables, image rows, logit rows) is a view
     of one host→device copy, not a copy of its own."""
     with LLM(str(tiny_ckpt), num_kv_blocks=64, max_num_batched_tokens=64) as llm:
         eng = llm.engine
         batches = []
-        build = eng.runner.build_batch
-        eng.runner.build_batch = lambda sched: batches.append(build(sched)) or batches[-1]
+        monkeypatch.setattr(
+            model_runner, "build_step", lambda *args: batches.append(build_step(*args)) or batches[-1]
+        )
         # A long prompt whose image comes last, admitted first; a short one joins once it runs, so a later
         # step carries the short one's decode beside the long one's image rows.
         eng.add_request(

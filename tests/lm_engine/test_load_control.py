@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
-from lm_engine.engine import AdmissionState
+from lm_engine.admission import AdmissionState, Ticket
+from lm_engine.sequence import SequenceStatus
 from tests.support import image_part, make_image, user
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -57,11 +58,11 @@ def test_burst_lowers_level_and_it_returns_to_full(tiny_ckpt):
     tokens = [outputs[r].visual_tokens[0] for r in served]
     assert min(tokens) < tokens[0]  # lowered levels really mean fewer visual tokens
     # After the burst the level climbs back: a quiet spell, then a request gets full resolution.
-    time.sleep(4 * 0.15 * (engine.visual_budget.lowest + 1))
+    time.sleep(4 * 0.15 * (engine.load.visual_budget.lowest + 1))
     engine.add_request("after", engine.process_chat(user(image_part(images[0]), "what?")), PARAMS)
     drain(engine, outputs)
     assert outputs["after"].visual_levels == [0]
-    assert engine.visual_budget.level == 0
+    assert engine.load.visual_budget.level == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()
 
@@ -96,15 +97,15 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
     )
     real_execute = engine.runner.execute
 
-    def slow_execute(sched):
+    def slow_execute(sched, embeddings):
         time.sleep(0.2)  # a long step, mostly sleep so that its length barely depends on the machine's load
-        return real_execute(sched)
+        return real_execute(sched, embeddings)
 
     engine.runner.execute = slow_execute
     for i in range(3):  # prompts like the burst's, 2 full steps of them
         engine.add_request(f"warm{i}", user(f"warm up {i} " + "word " * 140), PARAMS)
     times = []
-    while engine._queued_prefill_tokens() >= 256:
+    while engine.load.queued_prefill_tokens() >= 256:
         t0 = time.monotonic()
         engine.step()
         times.append(time.monotonic() - t0)
@@ -112,8 +113,8 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
     step_s = min(times)
     # The requests finishing in the 2nd step see 2 steps of TTFT, those in the 3rd see 3: an SLO between.
     run = SlowBurst(step_s=step_s, slo_s=2.5 * step_s)
-    engine.visual_budget.ttft_slo_s = run.slo_s
-    assert engine.visual_budget.level_for("auto") == 0
+    engine.load.visual_budget.ttft_slo_s = run.slo_s
+    assert engine.load.visual_budget.level_for("auto") == 0
     prompts = [engine.process_chat(user(f"question {i} " + "word " * 140)) for i in range(BURST)]
     assert sum(len(p.token_ids) for p in prompts) < 8 * 256
     for i, prompt in enumerate(prompts):
@@ -127,16 +128,18 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
                 worst_ttft = max(worst_ttft or 0.0, ttft)
             if out.finished:
                 run.outputs[out.request_id] = out
-        queued = engine._queued_prefill_tokens()
-        run.trace.append((engine.visual_budget.level_for("auto"), queued, worst_ttft, engine.admission))
+        queued = engine.load.queued_prefill_tokens()
+        run.trace.append(
+            (engine.load.visual_budget.level_for("auto"), queued, worst_ttft, engine.admission.state)
+        )
         if queued == 0 and run.drained_at is None:
             run.drained_at = time.monotonic()
-        if engine.admission.overloaded and run.refused is None:
+        if engine.admission.state.overloaded and run.refused is None:
             with pytest.raises(EngineOverloaded) as err:
                 engine.add_request("late", user("one more"), PARAMS)
             run.refused = (err.value, time.monotonic())
     time.sleep(3 * 0.05)  # idle for whole dwells
-    run.level_after_idle = engine.visual_budget.level_for("auto")
+    run.level_after_idle = engine.load.visual_budget.level_for("auto")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()
     return run
@@ -186,11 +189,11 @@ def test_saturation_refuses_new_work_fast_and_keeps_admitted_work(slow_burst):
 
 def test_detail_low_and_high_ignore_the_controller(tiny_ckpt):
     engine = adaptive_engine(tiny_ckpt)
-    engine.visual_budget.level = 2
+    engine.load.visual_budget.level = 2
     img = make_image(1024, 1024, 1)  # above the full budget, so every level changes its grid
     conv = lambda detail: user({"type": "image", "image": img, "detail": detail}, "?")  # noqa: E731
     low, auto, high = (engine.process_chat(conv(d)) for d in ("low", "auto", "high"))
-    ladder = engine.visual_budget.ladder
+    ladder = engine.load.visual_budget.ladder
     assert [i.max_pixels for p in (low, auto, high) for i in p.images] == [ladder[-1], ladder[2], ladder[0]]
     assert low.images[0].length < auto.images[0].length < high.images[0].length
     with pytest.raises(ValueError):
@@ -209,11 +212,12 @@ def test_saturated_engine_sheds_new_work_but_keeps_admitted(tiny_ckpt):
     drain(engine, outputs)
     assert sorted(outputs) == [f"q{i}" for i in range(6)]  # nothing admitted was dropped
     # Saturation (published by the controller's update): refuse, with the state's reason and Retry-After.
-    engine.admission = AdmissionState(overloaded=True, retry_after_s=7.0, reason="test saturation")
+    engine.admission.state = AdmissionState(overloaded=True, retry_after_s=7.0, reason="test saturation")
     with pytest.raises(EngineOverloaded, match="test saturation") as err:
         engine.add_request("shed", user("hello"), PARAMS)
     assert err.value.retry_after_s == 7.0
-    engine.add_request("admitted-anyway", user("hello"), PARAMS, admission=False)  # the server decided
+    # The server decides on its event loop and hands its ticket over: the engine does not decide again.
+    engine.add_request("admitted-anyway", user("hello"), PARAMS, ticket=Ticket(None, 0))
     drain(engine, outputs)
     assert "admitted-anyway" in outputs
     engine.close()
@@ -223,14 +227,18 @@ def test_one_client_with_huge_images_does_not_starve_another(tiny_ckpt):
     def steps_until_first_token(fair: bool) -> int:
         engine = LLMEngine(EngineConfig(model=str(tiny_ckpt), max_num_batched_tokens=64))
         big = [make_image(1024, 768, s) for s in range(4)]
+        # The hog's images are in the embedding cache (encoded once before), its prompts are not.
+        for i, img in enumerate(big):
+            engine.add_request(f"warm{i}", user(image_part(img), "describe"), SamplingParams(max_tokens=1))
+        drain(engine, {})
+        engine.block_manager.reset_prefix_cache()
         for i, img in enumerate(big):
             engine.add_request(f"hog{i}", user(image_part(img), "describe"), PARAMS, client_key="hog")
-        # The hog's images are encoded and its first prefill is under way.
-        images = [im for st in engine.requests.values() for s in st.seqs for im in s.images]
-        while not engine.scheduler.running or any(im.embedding is None for im in images):
-            engine.step()
-            engine.vision.request([im for im in images if im.embedding is None])
-            engine.vision.wait(0.05)
+        hogs = [s for st in engine.requests.values() for s in st.seqs]
+        while not engine.scheduler.running or any(
+            s.status is SequenceStatus.WAITING_FOR_IMAGES for s in hogs
+        ):
+            engine.step()  # until every hog is ready and its prefill (~4,000 tokens) is under way
         engine.add_request("small", user("hi"), PARAMS, client_key="polite" if fair else "hog")
         for step in range(1, 10_000):
             for out in engine.step():
@@ -275,8 +283,8 @@ def test_prefill_beside_decodes_fits_the_tpot_target(tiny_ckpt):
     engine.add_request("a", engine.process_chat(user("hi")), stream)
     while not engine.requests["a"].seqs[0].num_output_tokens:
         engine.step()
-    engine.prefill_rate.observe(1000, 1.0)  # as if measured: 1000 prefill tokens/s
-    engine.prefill_rate.observe = lambda tokens, seconds: None  # hold it there for the check
+    engine.load.prefill_rate.observe(1000, 1.0)  # as if measured: 1000 prefill tokens/s
+    engine.load.prefill_rate.observe = lambda tokens, seconds: None  # hold it there for the check
     engine.add_request("b", engine.process_chat(long_prompt), PARAMS)
     steps = _prefill_per_step(engine, 3)
     cap = int(1000 * 0.100 * 0.8)

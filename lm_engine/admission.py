@@ -1,0 +1,95 @@
+"""Admission control: whether new work is taken on, for the offline engine and the server alike.
+
+Two reasons refuse a request: the load controller found that even the lowest visual budget cannot serve
+the queue within the TTFT target (its verdict is published as an ``AdmissionState`` after each step), or the
+queue of requests submitted but not yet scheduled is at its bounds. A request admitted holds a ``Ticket``
+on the queue counts until the scheduler first runs it or it ends, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+class EngineOverloaded(RuntimeError):
+    """New work refused by admission control (a 503 with Retry-After to an HTTP client)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionState:
+    """The load controller's view of new work, published by the engine after each step.
+
+    NOTE: other threads (the API's event loop) read ``Admission.state`` without a lock. That is safe: the
+    engine thread only ever replaces the whole immutable snapshot with one attribute store, and a reference
+    load or store is atomic in CPython (with or without the GIL), so a reader sees one update's state or the
+    next one's, never a mix. It can be one step old; a decision on it is no less right than one a step earlier.
+    """
+
+    overloaded: bool = False  # even the lowest visual budget cannot serve the queue within the TTFT SLO
+    retry_after_s: float = 1.0  # the expected time to drain what is queued (≥ 1 s)
+    reason: str | None = None  # why new work is refused, when overloaded
+    expected_wait_s: float | None = None  # of the queued prefill work, None until throughput is measured
+
+
+class Ticket:
+    """One admitted request's place in the queue counts; ``release`` (idempotent) gives it back."""
+
+    __slots__ = ("_owner", "tokens")
+
+    def __init__(self, owner: Admission | None, tokens: int) -> None:
+        self._owner = owner
+        self.tokens = tokens
+
+    def release(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner._release(self.tokens)
+
+
+class Admission:
+    """Decides admission; thread-safe, and never waits for the engine (the server asks on its event loop)."""
+
+    def __init__(self, max_queued_requests: int | None = None, max_queued_tokens: int | None = None) -> None:
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self.state = AdmissionState()
+        self.queued_requests = 0  # admitted, not yet scheduled or ended
+        self.queued_tokens = 0
+        self.num_rejected = 0
+        self._lock = threading.Lock()
+
+    def check(self, num_tokens: int = 0) -> None:
+        """Raise EngineOverloaded if a request of ``num_tokens`` prompt tokens would be refused now (ask with 0
+        before any work is spent on a request: media, preprocessing)."""
+        with self._lock:
+            self._check(num_tokens)
+
+    def admit(self, num_tokens: int) -> Ticket:
+        """Check and count a request in one step (no other request gets in between)."""
+        with self._lock:
+            self._check(num_tokens)
+            self.queued_requests += 1
+            self.queued_tokens += num_tokens
+        return Ticket(self, num_tokens)
+
+    def _check(self, num_tokens: int) -> None:
+        state = self.state
+        requests, tokens = self.max_queued_requests, self.max_queued_tokens
+        reason = state.reason if state.overloaded else None
+        if reason is None and requests is not None and self.queued_requests >= requests:
+            reason = f"{self.queued_requests} requests are already queued"
+        if reason is None and tokens is not None and self.queued_tokens + num_tokens > tokens:
+            reason = "the queue of prompt tokens is full"
+        if reason is not None:
+            self.num_rejected += 1
+            raise EngineOverloaded(f"overloaded: {reason}; retry shortly", retry_after_s=state.retry_after_s)
+
+    def _release(self, tokens: int) -> None:
+        with self._lock:
+            self.queued_requests -= 1
+            self.queued_tokens -= tokens
