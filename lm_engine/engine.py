@@ -42,7 +42,7 @@ class LLMEngine:
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        self.runner = _build_runner(path, self.model_config, config, self.dtype, max_model_len)
+        self.runner = ModelRunner(path, self.model_config, config, self.dtype, max_model_len)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -282,26 +282,6 @@ def _compute_dtype(config: EngineConfig, model_config: Qwen2VLConfig) -> torch.d
             str(model_config.dtype).removeprefix("torch."),
         )
     return dtype
-
-
-def _build_runner(
-    path: Path, model_config: Qwen2VLConfig, config: EngineConfig, dtype: torch.dtype, max_model_len: int
-) -> ModelRunner:
-    return ModelRunner(
-        path,
-        model_config,
-        dtype=dtype,
-        device=config.device,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory,
-        memory_utilization=config.memory_utilization,
-        attention_backend=config.attention_backend,
-        warmup_image_patches=config.warmup_image_patches,
-    )
 
 
 def _image_error(err: BaseException, index: int) -> RequestError:

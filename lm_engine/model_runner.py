@@ -11,6 +11,7 @@ import torch
 
 from cache import EmbeddingKey
 from lm_engine.attention import AttentionMetadata, get_backend
+from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder, VisionTower
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -39,23 +40,14 @@ class ModelRunner:
         self,
         model_dir: str | Path,
         cfg: Qwen2VLConfig,
-        *,
+        config: EngineConfig,
         dtype: torch.dtype,
-        device: str,
-        block_size: int,
-        max_num_batched_tokens: int,
         max_model_len: int,
-        max_num_seqs: int,
-        num_kv_blocks: int | None,
-        kv_cache_memory: int | None,
-        memory_utilization: float,
-        attention_backend: str,
-        warmup_image_patches: int,
     ) -> None:
         self.cfg = cfg
-        self.device = torch.device(device)
+        self.device = torch.device(config.device)
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.bind_thread = DeviceBinding(self.device)
         self.bind_thread()
         self._encoder_stream: torch.cuda.Stream | None = None
@@ -66,18 +58,17 @@ class ModelRunner:
         self.vision = VisionTower(cfg, dtype).to(self.device)
         self.vision.load_weights(model_dir)
         self.vision.eval()
-        self.backend = get_backend(device, attention_backend)
-        log.info("attention backend: %s (asked for %s)", self.backend.name, attention_backend)
-        self.num_blocks = self._size_kv_pool(
-            num_kv_blocks,
-            kv_cache_memory,
-            memory_utilization,
-            max_num_batched_tokens,
-            max_model_len,
-            max_num_seqs,
-            warmup_image_patches,
+        self.backend = get_backend(config.device, config.attention_backend)
+        log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
+        self.num_blocks = self._size_kv_pool(config, max_model_len)
+        shape = (
+            cfg.num_hidden_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
         )
-        shape = (cfg.num_hidden_layers, 2, self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         # NOTE: zeroed, not empty: padded decode gathers read unused slots, and 0·NaN would poison them.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
@@ -90,23 +81,17 @@ class ModelRunner:
         return c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim * itemsize
 
     @torch.no_grad()
-    def _size_kv_pool(
-        self,
-        num_kv_blocks,
-        kv_cache_memory,
-        utilization,
-        max_tokens,
-        max_model_len,
-        max_num_seqs,
-        warmup_image_patches,
-    ) -> int:
+    def _size_kv_pool(self, config: EngineConfig, max_model_len: int) -> int:
+        """Blocks for the KV pool: fixed by ``num_kv_blocks``, else what the memory left after the worst-case
+        warm-up holds (never more than ``max_num_seqs`` full-length sequences need)."""
         per_block = self.kv_bytes_per_block()
-        useful = max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size) + 1
-        if num_kv_blocks is not None:
-            return int(num_kv_blocks)
-        peak = self._warmup_peak(max_tokens, warmup_image_patches)
-        if kv_cache_memory is not None:
-            budget = int(kv_cache_memory)
+        useful = config.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size) + 1
+        if config.num_kv_blocks is not None:
+            return int(config.num_kv_blocks)
+        peak = self._warmup_peak(config.max_num_batched_tokens, config.warmup_image_patches)
+        utilization = config.memory_utilization
+        if config.kv_cache_memory is not None:
+            budget = int(config.kv_cache_memory)
         elif self.device.type == "cuda":
             # NOTE: the warm-up's freed blocks sit in the caching allocator, where mem_get_info counts them used.
             torch.cuda.empty_cache()

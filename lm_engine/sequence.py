@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -112,24 +112,16 @@ class Sequence:
         return torch.cat([self.positions[:, start:p], gen], dim=1)
 
     def fork(self, index: int) -> Sequence:
-        """A sibling for choice ``index`` sharing everything computed so far (blocks are shared by the caller)."""
-        child = Sequence(
-            request_id=self.request_id,
+        """A sibling for choice ``index`` sharing everything computed so far (blocks are shared by the caller;
+        its generator is its own)."""
+        return replace(
+            self,
             token_ids=list(self.token_ids),
-            num_prompt_tokens=self.num_prompt_tokens,
-            params=self.params,
-            images=self.images,
-            positions=self.positions,
-            position_delta=self.position_delta,
             index=index,
-            client_key=self.client_key,
-            status=self.status,
-            num_computed_tokens=self.num_computed_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            images_ready_after=self.images_ready_after,
-            num_committed_blocks=self.num_committed_blocks,
+            seq_id=next(_seq_ids),
+            block_table=[],
             block_chain=list(self.block_chain),
-            arrival_time=self.arrival_time,
+            generator=None,
+            num_preemptions=0,
             first_admitted=True,
         )
-        return child
