@@ -70,21 +70,16 @@ class Scheduler:
         # Then prefill chunks, running prompts before new admissions, the least-served client first, each
         # client within its fair share of what the decodes left.
         candidates = self._prefill_candidates()
-        demand: dict[str, int] = {}
-        for seq in candidates:
-            demand[seq.client_key] = demand.get(seq.client_key, 0) + seq.num_uncomputed
-        budget.plan_prefill(demand, with_decodes=bool(out.chunks))
-        preempted = {s.seq_id for s in out.preempted}
+        budget.plan_prefill(candidates, with_decodes=bool(out.chunks))
         for seq in candidates:
             n = budget.grant(seq.client_key, seq.num_uncomputed)
-            if n <= 0 or seq.seq_id in preempted:
+            if n <= 0 or seq in out.preempted:
                 continue
             if seq.status is SequenceStatus.WAITING and not self._admit(seq):
                 break  # no room: later arrivals would not fit either
             n = min(n, seq.num_uncomputed)  # the prefix cache may have served part of it
             if seq.status is SequenceStatus.RUNNING and self._grow(seq, n, out):
                 budget.spend(seq.client_key, n)
-            preempted.update(s.seq_id for s in out.preempted)
         for chunk in out.chunks:
             self.usage.record(chunk.seq.client_key, chunk.num_tokens)
         return out

@@ -4,7 +4,10 @@ client's fair share of the prefill tokens; and who was served recently, which or
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from lm_engine.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -23,10 +26,13 @@ class StepBudget:
     block_size: int = 16
     allowance: dict[str, int] = field(default_factory=dict)
 
-    def plan_prefill(self, demand: dict[str, int], with_decodes: bool) -> None:
-        """Split the prefill tokens between clients by their ``demand`` (tokens they could use this step)."""
+    def plan_prefill(self, candidates: Iterable[Sequence], with_decodes: bool) -> None:
+        """Split the prefill tokens between the clients of ``candidates`` by what they could use this step."""
         if with_decodes and self.prefill_cap is not None:
             self.tokens = min(self.tokens, self.prefill_cap)
+        demand: dict[str, int] = {}
+        for seq in candidates:
+            demand[seq.client_key] = demand.get(seq.client_key, 0) + seq.num_uncomputed
         self.allowance = fair_shares(demand, self.tokens, self.block_size)
 
     def grant(self, client: str, want: int) -> int:
