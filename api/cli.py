@@ -60,6 +60,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=e("redis_url"),
         help="Redis for the shared embedding cache (L2), e.g. redis://127.0.0.1:6379/0",
     )
+    g.add_argument(
+        "--redis-key-prefix", default=e("redis_key_prefix"), help="prefix of this server's keys in Redis"
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -77,6 +80,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         ),
         embedding_cache_bytes=args.embedding_cache_mb << 20,
         redis_url=args.redis_url,
+        redis_key_prefix=args.redis_key_prefix,
         attention_backend=args.attention_backend,
     )
 
@@ -224,6 +228,11 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=srv("log_level"),
         choices=["critical", "error", "warning", "info", "debug"],
     )
+    p.add_argument(
+        "--replica-name",
+        default=None,
+        help="name this server as a replica: every response carries it in x-vlmserve-replica",
+    )
     _add_load_args(p)
 
 
@@ -282,6 +291,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         media=_media_config(args),
         max_request_bytes=args.max_request_bytes,
         log_level=args.uvicorn_log_level,
+        replica_name=args.replica_name,
     )
     run_server(server_args)
     return 0
@@ -328,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     _add_server_args(p)
     p.set_defaults(func=cmd_serve)
+
+    from api.cluster.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
 
     p = sub.add_parser(
         "batch",

@@ -54,6 +54,7 @@ class ServerArgs:
     max_request_bytes: int = 64 * 1024 * 1024  # the whole JSON body, data: URLs included
     preprocess_threads: int = 2  # chat templating, tokenization and image processing off the event loop
     log_level: str = "info"
+    replica_name: str | None = None  # sent as x-vlmserve-replica on every response (api/replica.py)
 
     @property
     def max_images(self) -> int:

@@ -22,6 +22,7 @@ from api.errors import APIError, install_error_handlers
 from api.media import MediaFetcher
 from api.metrics import ServerMetrics
 from api.protocol import ChatCompletion, ChatCompletionRequest, ErrorBody, ModelCard, ModelList
+from api.replica import ReplicaHeader
 from cache.metrics import EmbeddingCacheCollector
 from encoder.metrics import VisionPathCollector
 from lm_engine.engine import LLMEngine
@@ -191,6 +192,8 @@ def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
         lifespan=server.lifespan,
     )
     app.add_middleware(_BodyLimit, max_bytes=args.max_request_bytes)
+    if args.replica_name:
+        app.add_middleware(ReplicaHeader, name=args.replica_name)  # outermost: on every response
     app.state.engine = server.async_engine
     app.state.metrics = server.metrics  # app.state.metrics.register(collector) adds a stage's collector
     install_error_handlers(app, server.count_error)
