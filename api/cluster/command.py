@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--host", default="127.0.0.1", help="the balancer's address (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="the balancer's port")
-    p.add_argument("--replica-base-port", type=int, default=None, help="replica ports (default: --port + 1..N)")
+    p.add_argument(
+        "--replica-base-port", type=int, default=None, help="replica ports (default: --port + 1..N)"
+    )
     p.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
@@ -41,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="processes of the shared encoder pool (PENDING: needs `vlmserve encoder`; 0 = each replica encodes)",
     )
-    p.add_argument("--run-dir", type=Path, default=None, help="config, logs and cluster.json (default: a temp dir)")
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="config, logs and cluster.json (default: a temp dir)"
+    )
     p.add_argument("--no-restart", dest="restart", action="store_false", help="leave dead replicas dead")
     g = p.add_argument_group("balancer")
     g.add_argument(
@@ -51,10 +55,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="HOST:PORT",
         help="a replica running elsewhere (repeat); with it no replica starts here, only the balancer",
     )
-    g.add_argument("--balance-factor", type=int, default=150, help="bounded load: %% of the mean a replica may carry")
-    g.add_argument("--image-key-chars", type=int, default=DEFAULT_KEY_CHARS, help="image URL characters hashed")
-    g.add_argument("--bufsize", type=int, default=DEFAULT_BUFSIZE, help="bytes of a request the balancer sees")
-    g.add_argument("--drain-timeout", type=int, default=120, help="seconds in-flight requests get on shutdown")
+    g.add_argument(
+        "--balance-factor", type=int, default=150, help="bounded load: %% of the mean a replica may carry"
+    )
+    g.add_argument(
+        "--image-key-chars", type=int, default=DEFAULT_KEY_CHARS, help="image URL characters hashed"
+    )
+    g.add_argument(
+        "--bufsize", type=int, default=DEFAULT_BUFSIZE, help="bytes of a request the balancer sees"
+    )
+    g.add_argument(
+        "--drain-timeout", type=int, default=120, help="seconds in-flight requests get on shutdown"
+    )
     g.add_argument(
         "--write-config",
         type=Path,

@@ -112,17 +112,18 @@ class AdminSocket:
             if row["pxname"] != BACKEND or row["svname"] in ("FRONTEND", "BACKEND"):
                 continue
             out[row["svname"]] = ServerState(
-                row["svname"], row["status"], int(row["scur"] or 0), int(row["stot"] or 0), row["check_status"]
+                row["svname"],
+                row["status"],
+                int(row["scur"] or 0),
+                int(row["stot"] or 0),
+                row["check_status"],
             )
         return out
 
     def set_health_checks(self, server: str, enabled: bool) -> None:
         self._ok(f"{'enable' if enabled else 'disable'} health {BACKEND}/{server}")
 
-    def set_address(self, server: str, host: str, port: int) -> None:
-        self._ok(f"set server {BACKEND}/{server} addr {host} port {port}")
-
     def _ok(self, line: str) -> None:
         reply = self.command(line).strip()
-        if reply and not reply.startswith("IP changed") and "no need to change" not in reply:
+        if reply:
             raise RuntimeError(f"HAProxy refused {line!r}: {reply}")

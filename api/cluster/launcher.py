@@ -111,7 +111,9 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         base = spec.replica_base_port or spec.port + 1
         local = 0 if spec.remote else spec.replicas
-        self.replicas = [Replica(f"r{i}", base + i, [], self.run_dir / f"replica-r{i}.log") for i in range(local)]
+        self.replicas = [
+            Replica(f"r{i}", base + i, [], self.run_dir / f"replica-r{i}.log") for i in range(local)
+        ]
         for r in self.replicas:
             r.cmd = self._serve_cmd(r)
         self.balancer = spec.balancer or BalancerConfig(bind="", replicas=[], admin_socket="")
@@ -201,8 +203,13 @@ class Cluster:
             "admin_socket": self.balancer.admin_socket,
             "haproxy_log": str(self.run_dir / "haproxy.log"),
             "replicas": [
-                {"name": r.name, "url": r.url, "pid": r.proc.pid if r.proc else None, "restarts": r.restarts,
-                 "log": str(r.log_path)}
+                {
+                    "name": r.name,
+                    "url": r.url,
+                    "pid": r.proc.pid if r.proc else None,
+                    "restarts": r.restarts,
+                    "log": str(r.log_path),
+                }
                 for r in self.replicas
             ],  # fmt: skip
             "spec": {k: v for k, v in asdict(self.spec).items() if k not in ("balancer", "run_dir")},
@@ -240,7 +247,11 @@ class Cluster:
             r.restarts += 1
             r.start()
             self._write_state(ready=True)
-            log.info("replica %s restarted (pid %d); HAProxy takes it back once /health answers", r.name, r.proc.pid)
+            log.info(
+                "replica %s restarted (pid %d); HAProxy takes it back once /health answers",
+                r.name,
+                r.proc.pid,
+            )
 
     # ------------------------------------------------------------ shutdown
 
