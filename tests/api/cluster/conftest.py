@@ -132,6 +132,9 @@ class StubReplica:
             daemon_threads = True
             allow_reuse_address = True
 
+            def handle_error(self, request, client_address) -> None:
+                pass  # connections the tests cut on purpose
+
         self._httpd = Server(("127.0.0.1", self.port), Handler)
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
 

@@ -208,11 +208,9 @@ def test_request_that_reached_a_dying_replica_fails_and_is_not_resent(stub_clust
     out: dict = {}
 
     def doomed() -> None:
-        # NOTE: a fresh client connection: on a kept-alive one HAProxy closes the connection instead of
-        # answering 502 (its keep-alive emulation), which the client sees as a disconnect; either way it fails.
-        with httpx.Client(base_url=stub_cluster.url, timeout=60) as http:
-            headers = {HOLD: "1", "x-session-id": session, "x-request-id": "doomed"}
-            out["resp"] = http.post("/v1/chat/completions", json=text_body("long"), headers=headers)
+        # NOTE: on the test's kept-alive client connection, after other requests: still an explicit 502.
+        headers = {HOLD: "1", "x-session-id": session, "x-request-id": "doomed"}
+        out["resp"] = stub_cluster.post(text_body("long"), **headers)
 
     t = threading.Thread(target=doomed)
     t.start()
