@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from api.cluster.haproxy import DEFAULT_BUFSIZE, DEFAULT_KEY_CHARS, BalancerConfig, HAProxyMissing
+from api.cluster.haproxy import DEFAULT_BUFSIZE, DEFAULT_KEY_CHARS, ROUTINGS, BalancerConfig, HAProxyMissing
 from api.cluster.launcher import ClusterError, ClusterSpec, run_cluster, write_balancer_config
 
 log = logging.getLogger("vlmserve.cluster")
@@ -65,6 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--bufsize", type=int, default=DEFAULT_BUFSIZE, help="bytes of a request the balancer sees"
     )
     g.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="image",
+        help="image: the rules above (default); round-robin: each request to the next replica (a baseline)",
+    )
+    g.add_argument(
         "--drain-timeout", type=int, default=120, help="seconds in-flight requests get on shutdown"
     )
     g.add_argument(
@@ -102,6 +108,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         bufsize=args.bufsize,
         balance_factor=args.balance_factor,
         drain_timeout_s=args.drain_timeout,
+        routing=args.routing,
     )
     if args.write_config is not None:
         if not args.replica_addr:

@@ -26,6 +26,7 @@ MIN_VERSION = (2, 6)  # `balance hash <expr>` appeared in 2.6
 # and into pixel data. The window must hold the headers, whatever precedes the image in the body, and this.
 DEFAULT_KEY_CHARS = 32768
 DEFAULT_BUFSIZE = 65536
+ROUTINGS = ("image", "round-robin")
 
 
 class HAProxyMissing(RuntimeError):
@@ -64,15 +65,30 @@ class BalancerConfig:
     check_fastinter_ms: int = 250
     drain_timeout_s: int = 120
     maxconn: int = 2000
+    routing: str = "image"  # or "round-robin": the baseline the benchmark compares against
 
     def render(self) -> str:
         if self.key_chars + 4096 > self.bufsize:
             raise ValueError("bufsize must leave room for the headers and the image key (key_chars + 4096)")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         servers = "\n".join(
             f"    server {name} {addr} id {i + 1}" for i, (name, addr) in enumerate(self.replicas)
         )
-        fields = {f: getattr(self, f) for f in self.__slots__ if f != "replicas"}
-        return Template(TEMPLATE.read_text()).substitute(fields, servers=servers)
+        fields = {f: getattr(self, f) for f in self.__slots__ if f not in ("replicas", "routing")}
+        if self.routing == "image":
+            rules = {
+                "route_rule": f"http-request lua.vlmserve_route {BACKEND} {self.key_chars}",
+                "balance": "hash var(txn.vlmserve_key)",
+                "use_server": "use-server %[var(txn.vlmserve_pick)] if { var(txn.vlmserve_pick) -m found }",
+            }
+        else:
+            rules = {
+                "route_rule": "http-request set-var(txn.vlmserve_route) str(round-robin)",
+                "balance": "roundrobin",
+                "use_server": "# round-robin: every request to the next replica in turn",
+            }
+        return Template(TEMPLATE.read_text()).substitute(fields, servers=servers, **rules)
 
 
 @dataclass(slots=True)
