@@ -188,7 +188,11 @@ class Cluster:
                 raise ClusterError(f"HAProxy exited with {self.haproxy.returncode}:\n{tail}")
             with contextlib.suppress(OSError):
                 states = self.admin.servers()
-                if len(states) == len(self.balancer.replicas) and all(s.up for s in states.values()):
+                # NOTE: remote replicas come and go on their own; one in rotation is enough to serve.
+                if len(states) == len(self.balancer.replicas) and (
+                    all(s.up for s in states.values())
+                    or (self.spec.remote and any(s.up for s in states.values()))
+                ):
                     return
             if time.monotonic() > deadline:
                 raise ClusterError("HAProxy did not report every replica up")

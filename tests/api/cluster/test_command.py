@@ -1,0 +1,58 @@
+"""`vlmserve cluster`'s command line: refusals before anything starts, and the config for another host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.cluster.haproxy import BalancerConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def vlmserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_write_config_for_a_balancer_elsewhere_is_valid_haproxy(haproxy_bin, tmp_path):
+    out = vlmserve(
+        "cluster", "--replica-addr", "10.0.0.11:8001", "--replica-addr", "10.0.0.12:8001",
+        "--port", "8000", "--write-config", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = (tmp_path / "haproxy.cfg").read_text()
+    assert "server r0 10.0.0.11:8001 id 1" in cfg and "server r1 10.0.0.12:8001 id 2" in cfg
+    assert f"lua-load {(tmp_path / 'route.lua').resolve()}" in cfg
+    check = subprocess.run(
+        [haproxy_bin, "-c", "-f", str(tmp_path / "haproxy.cfg")], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_flags_the_cluster_owns_and_typos_are_refused_before_starting(tmp_path):
+    out = vlmserve("cluster", "--model", str(tmp_path), "--", "--port", "9")
+    assert out.returncode != 0 and "--port is set by the cluster" in out.stderr
+    out = vlmserve("cluster", "--model", str(tmp_path), "--", "--max-num-seqz", "9")
+    assert out.returncode != 0 and "unrecognized arguments: --max-num-seqz" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_encoder_workers_says_the_pool_is_pending(haproxy_bin, tmp_path):
+    out = vlmserve(
+        "cluster", "--model", str(tmp_path), "--encoder-workers", "2", "--run-dir", str(tmp_path / "run")
+    )
+    assert out.returncode == 1
+    assert "--encoder-workers needs the shared encoder pool" in out.stderr
+
+
+def test_balancer_config_refuses_a_key_that_cannot_fit_the_window():
+    cfg = BalancerConfig(
+        bind="127.0.0.1:1", replicas=[("r0", "127.0.0.1:2")], admin_socket="/x", key_chars=65536
+    )
+    with pytest.raises(ValueError, match="bufsize"):
+        cfg.render()
