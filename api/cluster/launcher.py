@@ -314,9 +314,12 @@ def run_cluster(spec: ClusterSpec) -> int:
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
         if stop.is_set():
-            log.warning("second %s: stopping without draining", signal.Signals(signum).name)
+            log.warning("second %s: stopping without draining", name)
             force.set()
+        else:
+            log.info("%s received: stopping", name)
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
