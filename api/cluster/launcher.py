@@ -33,6 +33,7 @@ log = logging.getLogger("vlmserve.cluster")
 
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 HEALTHY_RESET_S = 60.0  # a replica up this long starts its back-off again from the shortest delay
+BALANCER_MIN_UPTIME_S = 10.0  # HAProxy dying sooner than this after a start is a fault, not a stall
 
 
 class ClusterError(RuntimeError):
@@ -121,9 +122,14 @@ class Cluster:
         self.balancer.replicas = [(r.name, f"127.0.0.1:{r.port}") for r in self.replicas] or [
             (f"r{i}", addr) for i, addr in enumerate(spec.remote)
         ]
-        self.balancer.admin_socket = str(self.run_dir / "haproxy.sock")
+        sock = self.run_dir / "haproxy.sock"
+        if len(str(sock)) > 100:  # NOTE: a Unix socket path has room for 107 bytes
+            sock = Path(tempfile.mkdtemp(prefix="vlmserve-lb-")) / "haproxy.sock"
+        self.balancer.admin_socket = str(sock)
         self.admin = AdminSocket(self.balancer.admin_socket)
         self.haproxy: subprocess.Popen | None = None
+        self._haproxy_cmd: list[str] = []
+        self._haproxy_started = 0.0
         self._stopping = False
 
     # ------------------------------------------------------------ start-up
@@ -153,13 +159,18 @@ class Cluster:
         check = subprocess.run([haproxy, "-c", "-q", "-f", str(cfg)], capture_output=True, text=True)
         if check.returncode != 0:
             raise ClusterError(f"HAProxy refused {cfg}:\n{check.stdout}{check.stderr}")
-        with open(self.run_dir / "haproxy.log", "a") as out:
-            self.haproxy = subprocess.Popen(
-                [haproxy, "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            )  # fmt: skip
+        self._haproxy_cmd = [haproxy, "-db", "-f", str(cfg)]
+        self._start_haproxy()
         self._wait_balancer_ready()
         self._write_state(ready=True)
+
+    def _start_haproxy(self) -> None:
+        with open(self.run_dir / "haproxy.log", "a") as out:
+            self.haproxy = subprocess.Popen(
+                self._haproxy_cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        self._haproxy_started = time.monotonic()
 
     def _wait_replicas_healthy(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -225,13 +236,25 @@ class Cluster:
     # ------------------------------------------------------------ running
 
     def supervise(self, stop: threading.Event) -> None:
-        """Restart replicas that exit, until ``stop`` is set; a dead balancer ends the cluster."""
+        """Restart replicas and the balancer when they exit, until ``stop`` is set."""
         while not stop.wait(0.2):
-            if self.haproxy is not None and self.haproxy.poll() is not None:
-                raise ClusterError(f"HAProxy exited with {self.haproxy.returncode}; see {self.run_dir}")
             now = time.monotonic()
+            self._tend_balancer(now)
             for r in self.replicas:
                 self._tend(r, now)
+
+    def _tend_balancer(self, now: float) -> None:
+        # NOTE: HAProxy's watchdog aborts it when a thread stalls for seconds (seen on a machine thrashing
+        # out of memory). Requests in flight through it are lost either way; new ones must find a listener.
+        if self.haproxy is None or self.haproxy.poll() is None:
+            return
+        if now - self._haproxy_started < BALANCER_MIN_UPTIME_S:
+            raise ClusterError(
+                f"HAProxy exited with {self.haproxy.returncode} again at once; see {self.run_dir}"
+            )
+        log.error("HAProxy exited with %s; restarting it", self.haproxy.returncode)
+        self._start_haproxy()
+        self._write_state(ready=True)
 
     def _tend(self, r: Replica, now: float) -> None:
         if r.proc is None or r.proc.poll() is None:

@@ -174,7 +174,7 @@ def test_dead_replica_leaves_rotation_and_rejoins(stub_cluster, wait_until):
     stub = stub_cluster.stubs[home]
     stub.die()
     # NOTE: the one wall-clock bound of these tests (the requirement): refused health checks take a replica
-    # out after fall=2 checks, inter 500 ms + fastinter 250 ms apart, as the balancer itself reports.
+    # out after fall=3 checks, inter 500 ms then fastinter 250 ms apart, as the balancer itself reports.
     took = wait_until(lambda: not stub_cluster.admin.servers()[home].up, 10, "replica down")
     assert took < 2.0, f"{home} left rotation after {took:.2f}s"
     assert replica(stub_cluster.post(image_body(url))) == other
@@ -271,3 +271,27 @@ def test_stop_drains_requests_in_flight(stub_cluster, wait_until):
 def test_malformed_bodies_pass_through_to_a_replica(stub_cluster, bad):
     resp = stub_cluster.post(bad)
     assert resp.status_code == 200 and resp.headers["x-vlmserve-route"] == "least-loaded"
+
+
+def test_balancer_that_dies_is_restarted(stub_cluster, wait_until, monkeypatch):
+    from api.cluster import launcher
+
+    monkeypatch.setattr(launcher, "BALANCER_MIN_UPTIME_S", 0.0)
+    stop = threading.Event()
+    supervisor = threading.Thread(target=stub_cluster.cluster.supervise, args=(stop,))
+    supervisor.start()
+    try:
+        first = stub_cluster.cluster.haproxy
+        first.kill()
+        wait_until(lambda: stub_cluster.cluster.haproxy is not first, 30, "balancer restarted")
+
+        def serving() -> bool:
+            try:
+                return stub_cluster.post(text_body("again")).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(serving, 60, "balancer serving again")
+    finally:
+        stop.set()
+        supervisor.join(30)
