@@ -174,7 +174,7 @@ def test_dead_replica_leaves_rotation_and_rejoins(stub_cluster, wait_until):
     stub = stub_cluster.stubs[home]
     stub.die()
     # NOTE: the one wall-clock bound of these tests (the requirement): refused health checks take a replica
-    # out after fall=3 checks, inter 500 ms then fastinter 250 ms apart, as the balancer itself reports.
+    # out after fall=2 checks, inter 500 ms then fastinter 250 ms apart, as the balancer itself reports.
     took = wait_until(lambda: not stub_cluster.admin.servers()[home].up, 10, "replica down")
     assert took < 2.0, f"{home} left rotation after {took:.2f}s"
     assert replica(stub_cluster.post(image_body(url))) == other
