@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -129,7 +130,8 @@ def start_cluster(mode: str, ckpt: Path, work: Path, args: argparse.Namespace, k
            "--served-model-name", "bench", "--port", str(port), "--replica-base-port", str(base),
            "--run-dir", str(run_dir), "--redis-url", args.redis_url, "--routing", mode,
            "--", *serve, *args.serve_args.split()]  # fmt: skip
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # logs of an earlier run would mix with this one's
+    run_dir.mkdir(parents=True)
     log = open(run_dir / "launcher.log", "w")  # noqa: SIM115 - the child writes to it until it exits
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
