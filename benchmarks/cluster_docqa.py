@@ -129,7 +129,7 @@ def start_cluster(mode: str, ckpt: Path, work: Path, args: argparse.Namespace, k
     cmd = [sys.executable, "-m", "api.cli", "cluster", "--replicas", str(args.replicas), "--model", str(ckpt),
            "--served-model-name", "bench", "--port", str(port), "--replica-base-port", str(base),
            "--run-dir", str(run_dir), "--redis-url", args.redis_url, "--routing", mode,
-           "--", *serve, *args.serve_args.split()]  # fmt: skip
+           *args.cluster_args.split(), "--", *serve, *args.serve_args.split()]  # fmt: skip
     shutil.rmtree(run_dir, ignore_errors=True)  # logs of an earlier run would mix with this one's
     run_dir.mkdir(parents=True)
     log = open(run_dir / "launcher.log", "w")  # noqa: SIM115 - the child writes to it until it exits
@@ -232,6 +232,9 @@ def main() -> int:
     )
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/11")
     ap.add_argument("--serve-args", default="", help="extra `vlmserve serve` flags for every replica")
+    ap.add_argument(
+        "--cluster-args", default="", help="extra `vlmserve cluster` flags, e.g. '--balance-factor 200'"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="6 pages x 3 questions on the tiny preset")
     args = ap.parse_args()
