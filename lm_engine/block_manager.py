@@ -82,6 +82,24 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def next_block_hash(self, seq: Sequence, index: int) -> int | None:
+        """The hash of ``seq``'s full block ``index`` (None past its full blocks, or without prefix caching)."""
+        n_full = seq.num_tokens // self.block_size
+        if not self.enable_prefix_caching or index >= n_full:
+            return None
+        return extend_chain(seq, index + 1, self.block_size)[index][0]
+
+    def blocks_in_flight(self, seqs: Iterable[Sequence]) -> set[int]:
+        """Hashes of the full blocks ``seqs`` hold but have not computed yet (empty without prefix caching)."""
+        if not self.enable_prefix_caching:
+            return set()
+        out = set()
+        for seq in seqs:
+            n_full = seq.num_tokens // self.block_size
+            chain = extend_chain(seq, n_full, self.block_size)
+            out.update(h for h, _ in chain[seq.num_committed_blocks : n_full])
+        return out
+
     def cached_prefix_tokens(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the prefix cache would serve if it were admitted now."""
         return len(self.lookup(seq)) * self.block_size

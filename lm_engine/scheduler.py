@@ -48,6 +48,7 @@ class Scheduler:
         # Prefill tokens a step may carry beside decodes (None: the whole budget); the engine's load control
         # sets it from the per-token latency target and the measured prefill rate.
         self.prefill_cap: int | None = None
+        self._in_flight: set[int] = set()  # hashes of the full blocks running requests are computing
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,11 +86,22 @@ class Scheduler:
         return out
 
     def _prefill_candidates(self) -> list[Sequence]:
-        """Running prompts, then the waiting sequences that may be admitted (ready, within max_num_seqs)."""
+        """Running prompts, then the waiting sequences that may be admitted (ready, not waiting for a prefix
+        another request is computing, within max_num_seqs)."""
         running = [s for s in self.running if s.num_uncomputed > 1 and s.status is SequenceStatus.RUNNING]
+        self._in_flight = self.bm.blocks_in_flight(self.running)
         room = self.max_num_seqs - len(self.running)
-        waiting = [s for s in self.waiting if s.status is SequenceStatus.WAITING][: max(0, room)]
-        return sorted(running, key=self._served) + sorted(waiting, key=self._served)
+        waiting = [
+            s for s in self.waiting if s.status is SequenceStatus.WAITING and not self._prefix_in_flight(s)
+        ]
+        return sorted(running, key=self._served) + sorted(waiting[: max(0, room)], key=self._served)
+
+    def _prefix_in_flight(self, seq: Sequence, hits: list[int] | None = None) -> bool:
+        """Whether the next block past ``seq``'s cached prefix is being computed by a running request now."""
+        if not self._in_flight:
+            return False
+        hits = self.bm.lookup(seq) if hits is None else hits
+        return self.bm.next_block_hash(seq, len(hits)) in self._in_flight
 
     def _served(self, seq: Sequence) -> float:
         return self.usage.of(seq.client_key)
@@ -97,10 +109,16 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Give a waiting sequence its blocks (prefix hits first); False if the pool has no room for it.
 
-        NOTE: its images were made ready for the prefix the cache held then; if an admission earlier in this
-        step evicted part of it, the images past what is left are not encoded: it goes back to waiting for
-        them (and True: that is no reason to stop admitting others)."""
+        Two reasons leave it waiting (True: neither is a reason to stop admitting others):
+        - the next block past its cached prefix is being computed right now by a running request (the same
+          page asked about twice at once): it takes that block from the cache once committed, instead of
+          computing it a second time;
+        - NOTE: its images were made ready for the prefix the cache held then; if an admission earlier in
+          this step evicted part of it, the images past what is left are not encoded: it goes back to
+          waiting for them."""
         hits = self.bm.lookup(seq)
+        if self._prefix_in_flight(seq, hits):  # a candidate before it in this step computes it
+            return True
         if len(hits) * self.bm.block_size < seq.images_ready_after:
             seq.status = SequenceStatus.WAITING_FOR_IMAGES
             return True
@@ -108,6 +126,7 @@ class Scheduler:
             return False
         self.waiting.remove(seq)
         self.bm.allocate(seq, hits)
+        self._in_flight |= self.bm.blocks_in_flight([seq])
         if not seq.first_admitted:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.first_admitted = True

@@ -184,3 +184,25 @@ def test_max_num_seqs_bounds_admission():
     add(sched, *[make_seq(8, f"c{i}", first=100 * i) for i in range(4)])
     run(sched)
     assert len(sched.running) == 2 and len(sched.waiting) == 2
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice():
+    """Two questions about one page at once: the second waits while the first computes the shared blocks,
+    then takes them from the prefix cache."""
+    sched = make_scheduler(budget=16)
+    page = list(range(40))
+    first = Sequence("q1", page + [900, 901], 42, SamplingParams(), client_key="a")
+    second = Sequence("q2", page + [950, 951, 952], 43, SamplingParams(), client_key="b")
+    add(sched, first, second)
+    steps = []
+    while second.status is not SequenceStatus.RUNNING:
+        steps.append(run(sched))
+    # The first computed the shared page alone (from its second step on with the whole budget: in the first,
+    # both arrived together and the second's share went unused); then the second took it from the cache.
+    assert [set(s) for s in steps[:-1]] == [{"q1"}] * (len(steps) - 1) and len(steps) >= 3
+    assert sum(steps[1].values()) == 16
+    assert second.num_cached_tokens == 40  # all ten shared blocks came from the cache
+    # Without prefix caching there is nothing to wait for: both run at once.
+    sched = Scheduler(BlockManager(256, BS, enable_prefix_caching=False), 16, 16)
+    add(sched, make_seq(42, "a", first=0), make_seq(43, "b", first=0))
+    assert set(run(sched)) == {"r0"} and len(sched.running) == 2
