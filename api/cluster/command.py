@@ -47,7 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--run-dir", type=Path, default=None, help="config, logs and cluster.json (default: a temp dir)"
     )
     p.add_argument("--no-restart", dest="restart", action="store_false", help="leave dead replicas dead")
-    g = p.add_argument_group("balancer")
+    _add_balancer_args(p.add_argument_group("balancer"))
+    p.add_argument("serve_args", nargs="*", help="after `--`: flags for every replica's `vlmserve serve`")
+    p.set_defaults(func=cmd_cluster)
+
+
+def _add_balancer_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--replica-addr",
         action="append",
@@ -80,8 +85,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="write haproxy.cfg and route.lua into DIR and exit (a balancer on another host)",
     )
-    p.add_argument("serve_args", nargs="*", help="after `--`: flags for every replica's `vlmserve serve`")
-    p.set_defaults(func=cmd_cluster)
 
 
 def _check_serve_args(serve_args: list[str]) -> None:
