@@ -61,7 +61,16 @@ def _add_balancer_args(g: argparse._ArgumentGroup) -> None:
         help="a replica running elsewhere (repeat); with it no replica starts here, only the balancer",
     )
     g.add_argument(
-        "--balance-factor", type=int, default=150, help="bounded load: %% of the mean a replica may carry"
+        "--balance-factor",
+        type=int,
+        default=150,
+        help="bounded load: a replica above this %% of the mean in-flight load takes no new image/session",
+    )
+    g.add_argument(
+        "--balance-min-load",
+        type=int,
+        default=8,
+        help="...unless it holds fewer than this many requests in flight (below it, keys never spill)",
     )
     g.add_argument(
         "--image-key-chars", type=int, default=DEFAULT_KEY_CHARS, help="image URL characters hashed"
@@ -110,6 +119,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         key_chars=args.image_key_chars,
         bufsize=args.bufsize,
         balance_factor=args.balance_factor,
+        balance_min_load=args.balance_min_load,
         drain_timeout_s=args.drain_timeout,
         routing=args.routing,
     )

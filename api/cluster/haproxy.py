@@ -1,7 +1,8 @@
 """The load balancer of `vlmserve cluster`: HAProxy's config from our template, and its admin socket.
 
-HAProxy does the routing (consistent hashing with bounded load, health checks, retries); the only code of
-ours it runs is route.lua, which picks the routing key. See haproxy.cfg.in for the settings and why.
+HAProxy does the proxying (health checks, retries, draining); the only code of ours it runs is route.lua, which
+picks each request's replica (rendezvous hashing of its key with bounded load, or the least-loaded replica). See
+haproxy.cfg.in for the settings and why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "haproxy.cfg.in"
 LUA = HERE / "route.lua"
 BACKEND = "vlmserve_replicas"
-MIN_VERSION = (2, 6)  # `balance hash <expr>` appeared in 2.6
+MIN_VERSION = (2, 6)  # the oldest tested (Debian 12's); route.lua needs its Lua API and xxh3 converter
 
 # NOTE: 32 KiB of base64 is 24 KiB of image bytes: past a PNG's or JPEG's headers (which many images share)
 # and into pixel data. The window must hold the headers, whatever precedes the image in the body, and this.
@@ -60,7 +61,10 @@ class BalancerConfig:
     lua_path: str = str(LUA)
     key_chars: int = DEFAULT_KEY_CHARS
     bufsize: int = DEFAULT_BUFSIZE
-    balance_factor: int = 150
+    balance_factor: int = (
+        150  # a replica over max(balance_min_load, this % of the mean load) takes no new key
+    )
+    balance_min_load: int = 8
     check_inter_ms: int = 500
     check_fastinter_ms: int = 250
     drain_timeout_s: int = 120
@@ -70,6 +74,8 @@ class BalancerConfig:
     def render(self) -> str:
         if self.key_chars + 4096 > self.bufsize:
             raise ValueError("bufsize must leave room for the headers and the image key (key_chars + 4096)")
+        if self.balance_factor < 100 or self.balance_min_load < 1:
+            raise ValueError("balance_factor must be >= 100 (%) and balance_min_load >= 1")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         servers = "\n".join(
@@ -78,8 +84,9 @@ class BalancerConfig:
         fields = {f: getattr(self, f) for f in self.__slots__ if f not in ("replicas", "routing")}
         if self.routing == "image":
             rules = {
-                "route_rule": f"http-request lua.vlmserve_route {BACKEND} {self.key_chars}",
-                "balance": "hash var(txn.vlmserve_key)",
+                "route_rule": f"http-request lua.vlmserve_route {BACKEND} {self.key_chars} "
+                f"{self.balance_factor} {self.balance_min_load}",
+                "balance": "leastconn",
                 "use_server": "use-server %[var(txn.vlmserve_pick)] if { var(txn.vlmserve_pick) -m found }",
             }
         else:

@@ -1,15 +1,18 @@
 -- vlmserve routing for HAProxy: which replica a chat request should reach, decided from what the
 -- balancer can see (the headers and the first tune.bufsize bytes of the body; see haproxy.cfg.in).
 --
---   1. an `x-session-id` header          -> consistent hash of it  (route "session")
---   2. the first image URL of the body   -> consistent hash of it  (route "image")
---   3. the request's `user` field        -> consistent hash of it  (route "user")
+--   1. an `x-session-id` header          -> its home replica  (route "session")
+--   2. the first image URL of the body   -> its home replica  (route "image")
+--   3. the request's `user` field        -> its home replica  (route "user")
 --   4. none of these (text, anonymous)   -> the least-loaded replica (route "least-loaded")
 --
--- Rules 1-3 set txn.vlmserve_key, which the backend hashes (`balance hash`, `hash-type consistent`,
--- `hash-balance-factor` for bounded load: HAProxy's own algorithm). Rule 4 names a server in
--- txn.vlmserve_pick for `use-server`, from HAProxy's own per-server counters, so text and image
--- requests are counted in one place.
+-- A key's home is found by rendezvous hashing: every eligible replica scores xxh3(key's hash, replica's
+-- name) and the key goes to the highest score whose load is under the bound. Every balancer with the same
+-- replica names agrees, and when a replica leaves only its own keys move. The bound (in-flight requests,
+-- HAProxy's own per-server counters) is max(min_load, ceil(factor/100 x mean load)): one hot image cannot
+-- swamp a replica, but below min_load requests in flight no key leaves its home, because a replica batches
+-- that many at no cost and every spill prefills a page a second time on another replica. The choice is
+-- named in txn.vlmserve_pick for `use-server`; text and image requests are counted in one place.
 --
 -- An image is identified by the first `key_chars` characters of its URL's payload (the base64 text
 -- after the comma of a data: URL, or the http(s) URL itself). A payload shorter than that counts whole
@@ -82,17 +85,26 @@ local function eligible(status)
   return status:sub(1, 2) == "UP" or status == "no check"
 end
 
-local function least_loaded(backend)
-  local best, names = math.huge, {}
+local function loads(backend)
+  -- name -> requests in flight (connected and queued), for the replicas that may take requests
+  local out, n = {}, 0
   for name, server in pairs(core.backends[backend].servers) do
     local st = server:get_stats()
     if eligible(st.status) then
-      local load = (tonumber(st.scur) or 0) + (tonumber(st.qcur) or 0)
-      if load < best then
-        best, names = load, { name }
-      elseif load == best then
-        names[#names + 1] = name
-      end
+      out[name] = (tonumber(st.scur) or 0) + (tonumber(st.qcur) or 0)
+      n = n + 1
+    end
+  end
+  return out, n
+end
+
+local function least_loaded(load)
+  local best, names = math.huge, {}
+  for name, l in pairs(load) do
+    if l < best then
+      best, names = l, { name }
+    elseif l == best then
+      names[#names + 1] = name
     end
   end
   if #names == 0 then
@@ -103,31 +115,60 @@ local function least_loaded(backend)
   return names[rr % #names + 1]
 end
 
-local function route(txn, backend, key_chars)
-  local session = txn.f:req_hdr("x-session-id")
-  local kind, key
-  if session and session ~= "" then
-    kind, key = "session", session
-  else
-    local body = txn.f:req_body() or ""
-    key = image_identity(body, tonumber(key_chars))
-    if key then
-      kind = "image"
-    else
-      key = user_field(body)
-      kind = key and "user" or nil
+local function home(txn, key_hash, load, n, factor, min_load)
+  local total = 1 -- this request
+  for _, l in pairs(load) do
+    total = total + l
+  end
+  local bound = math.max(min_load, math.ceil(factor * total / (100 * n)))
+  local ranked = {}
+  for name, _ in pairs(load) do
+    ranked[#ranked + 1] = { txn.c:xxh3(key_hash .. "@" .. name), name }
+  end
+  table.sort(ranked, function(a, b)
+    return a[1] > b[1] or (a[1] == b[1] and a[2] < b[2])
+  end)
+  -- NOTE: with factor >= 100 some replica is always under the bound (not all can be above the mean).
+  for _, r in ipairs(ranked) do
+    if load[r[2]] < bound then
+      return r[2]
     end
   end
-  if key then
-    txn:set_var("txn.vlmserve_route", kind)
-    txn:set_var("txn.vlmserve_key", tostring(txn.c:xxh3(kind == "image" and key or kind .. ":" .. key)))
-    return
+  return ranked[1] and ranked[1][2]
+end
+
+local function route_key(txn, key_chars)
+  local session = txn.f:req_hdr("x-session-id")
+  if session and session ~= "" then
+    return "session", "session:" .. session
   end
-  txn:set_var("txn.vlmserve_route", "least-loaded")
-  local pick = least_loaded(backend)
+  local body = txn.f:req_body() or ""
+  local image = image_identity(body, key_chars)
+  if image then
+    return "image", image
+  end
+  local user = user_field(body)
+  if user then
+    return "user", "user:" .. user
+  end
+  return "least-loaded", nil
+end
+
+local function route(txn, backend, key_chars, factor, min_load)
+  local kind, key = route_key(txn, tonumber(key_chars))
+  txn:set_var("txn.vlmserve_route", kind)
+  local load, n = loads(backend)
+  local pick
+  if key then
+    local key_hash = tostring(txn.c:xxh3(key))
+    txn:set_var("txn.vlmserve_key", key_hash)
+    pick = home(txn, key_hash, load, n, tonumber(factor), tonumber(min_load))
+  else
+    pick = least_loaded(load)
+  end
   if pick then
     txn:set_var("txn.vlmserve_pick", pick)
   end
 end
 
-core.register_action("vlmserve_route", { "http-req" }, route, 2)
+core.register_action("vlmserve_route", { "http-req" }, route, 4)

@@ -228,7 +228,8 @@ def image_body(url: str, question: str = "What is this?", **extra: object) -> di
 
 
 @pytest.fixture
-def stub_cluster(haproxy_bin: str, tmp_path: Path) -> Iterator[StubCluster]:
+def stub_cluster(haproxy_bin: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StubCluster]:
+    """Parametrize indirectly with a dict of BalancerConfig fields to change them (e.g. balance_min_load)."""
     stubs = {name: StubReplica(name) for name in ("r0", "r1")}
     port = free_port()
     spec = ClusterSpec(
@@ -237,7 +238,9 @@ def stub_cluster(haproxy_bin: str, tmp_path: Path) -> Iterator[StubCluster]:
         port=port,
         remote=[f"127.0.0.1:{s.port}" for s in stubs.values()],
         run_dir=tmp_path / "run",
-        balancer=BalancerConfig(bind="", replicas=[], admin_socket="", drain_timeout_s=30),
+        balancer=BalancerConfig(
+            bind="", replicas=[], admin_socket="", drain_timeout_s=30, **getattr(request, "param", {})
+        ),
         startup_timeout_s=30,
     )
     cluster = Cluster(spec)

@@ -147,24 +147,43 @@ def test_text_goes_to_the_least_loaded_replica(stub_cluster):
     held.join(30)
 
 
-def test_bounded_load_spills_a_hot_image(stub_cluster):
-    """Without hash-balance-factor every request for one image would land on its home replica."""
-    url = data_url(11)
+def _hold_image_requests(stub_cluster, url: str, count: int) -> list[dict[str, int]]:
+    """Send ``count`` requests for one image, each held open by its replica; the loads after each one."""
     threads, placed = [], []
-    for n in range(1, 7):
+    for n in range(1, count + 1):
         t = threading.Thread(target=stub_cluster.post, args=(image_body(url),), kwargs={HOLD: "1"})
         t.start()
         threads.append(t)
         load = stub_cluster.wait_load(n)
         assert sum(load.values()) == n, load
-        # HAProxy's rule: no replica above factor x the mean load (150 %: here 2 replicas).
-        assert max(load.values()) <= math.ceil(1.5 * n / 2), load
         placed.append(load)
-    assert min(placed[-1].values()) >= 2, placed
     for s in stub_cluster.stubs.values():
         s.release.set()
     for t in threads:
         t.join(30)
+    return placed
+
+
+@pytest.mark.parametrize("stub_cluster", [{"balance_min_load": 1}], indirect=True)
+def test_bounded_load_spills_a_hot_image(stub_cluster):
+    """Without the bound every request for one image would land on its home replica."""
+    placed = _hold_image_requests(stub_cluster, data_url(11), 6)
+    for n, load in enumerate(placed, start=1):
+        # No replica above factor x the mean load (150 %, 2 replicas), this request included.
+        assert max(load.values()) <= math.ceil(1.5 * n / 2), (n, load)
+    assert min(placed[-1].values()) >= 1, placed  # it spilled
+
+
+@pytest.mark.parametrize("stub_cluster", [{"balance_min_load": 4}], indirect=True)
+def test_below_the_minimum_load_an_image_never_leaves_its_home(stub_cluster):
+    """A replica takes up to balance_min_load requests for its own images whatever the mean: a spill would
+    prefill the image a second time elsewhere; past that, the factor applies."""
+    placed = _hold_image_requests(stub_cluster, data_url(12), 6)
+    homes = {max(load, key=load.get) for load in placed}
+    assert len(homes) == 1, placed
+    home = homes.pop()
+    # The bound for the n-th request is max(4, ceil(1.5 * n / 2)): 4 up to n = 5, then 5.
+    assert [load[home] for load in placed] == [1, 2, 3, 4, 4, 5], placed
 
 
 def test_dead_replica_leaves_rotation_and_rejoins(stub_cluster, wait_until):
