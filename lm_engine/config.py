@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -92,17 +94,22 @@ def cpu_matmul_is_fast(dtype: torch.dtype) -> bool:
     emulates it far below the float32 rate where it has neither; a short timing says which without
     guessing from CPU flags."""
     if dtype not in _FAST:
-        import time
-
-        def best(dt: torch.dtype) -> float:
-            a = torch.randn(64, 512).to(dt)
-            b = torch.randn(512, 512).to(dt)
-            times = []
-            for _ in range(4):
-                t0 = time.perf_counter()
-                a @ b
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])
-
-        _FAST[dtype] = best(dtype) <= best(torch.float32) * 1.1
+        _FAST[dtype] = probe_matmul(dtype)
     return _FAST[dtype]
+
+
+def probe_matmul(dtype: torch.dtype, timer: Callable[[], float] = time.perf_counter) -> bool:
+    """One timing of ``dtype`` against float32: the best of three matmuls each (after a warm-up one), so a
+    run the scheduler interrupted does not decide; within 10 % counts as fast."""
+
+    def best(dt: torch.dtype) -> float:
+        a = torch.randn(64, 512).to(dt)
+        b = torch.randn(512, 512).to(dt)
+        times = []
+        for _ in range(4):
+            t0 = timer()
+            a @ b
+            times.append(timer() - t0)
+        return min(times[1:])
+
+    return best(dtype) <= best(torch.float32) * 1.1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,8 +35,11 @@ __all__ = ["EngineOverloaded", "LLMEngine"]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what arrival, first-token and step times are read from (and what the load controller's
+        dwell and measured rates are in); tests pass a clock they advance themselves."""
         self.config = config
+        self.clock = clock
         path = Path(config.model)
         self.model_config = Qwen2VLConfig.from_dir(path)
         self.dtype = _compute_dtype(config, self.model_config)
@@ -57,7 +61,7 @@ class LLMEngine:
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         pp = self.preprocess_config
         ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels))
-        self.load = LoadControl(config, ladder, self.scheduler, self.block_manager, self.admission)
+        self.load = LoadControl(config, ladder, self.scheduler, self.block_manager, self.admission, clock)
         self.processor.model_fingerprint = vision_fingerprint(self.runner.vision)
         self.embedding_cache = EmbeddingCache.create(
             config.embedding_cache_bytes, config.redis_url, prefix=config.redis_key_prefix
@@ -111,6 +115,7 @@ class LLMEngine:
             positions=prompt.positions,
             position_delta=prompt.position_delta,
             client_key=client_key,
+            arrival_time=self.clock(),
             status=SequenceStatus.WAITING_FOR_IMAGES if prompt.images else SequenceStatus.WAITING,
         )
         if params.seed is not None:
@@ -198,7 +203,7 @@ class LLMEngine:
         if seqs:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
                 logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
-            now = time.monotonic()
+            now = self.clock()
             for seq, tok in zip(seqs, sample(logits, seqs)):
                 if seq.first_token_time is None:
                     seq.first_token_time = now

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 from lm_engine.admission import Admission, AdmissionState
 from lm_engine.block_manager import BlockManager
@@ -25,8 +26,10 @@ class LoadControl:
         scheduler: Scheduler,
         block_manager: BlockManager,
         admission: Admission,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock
         self.scheduler = scheduler
         self.block_manager = block_manager
         self.admission = admission
@@ -35,14 +38,15 @@ class LoadControl:
             ttft_slo_s=config.ttft_slo_ms / 1000,
             dwell_s=config.budget_dwell_s,
             enabled=config.visual_budget == "adaptive",
+            clock=clock,
         )
-        self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s)
+        self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s, clock=clock)
         self.prefill_rate = PrefillRate(horizon_s=5 * config.budget_dwell_s)
         self._queued_before = 0
         self._started = 0.0
 
     def before_step(self, busy: bool) -> None:
-        self._queued_before, self._started = self.update(busy), time.monotonic()
+        self._queued_before, self._started = self.update(busy), self.clock()
         self.scheduler.prefill_cap = self._prefill_cap()
 
     def after_step(self, busy: bool) -> None:
@@ -51,7 +55,7 @@ class LoadControl:
             # NOTE: no request is added during a step, so the queue's shrinkage is the prefill it did (prefix
             # cache hits included); a step that only waited for the encoder counts with 0 tokens.
             done = self._queued_before - self.queued_prefill_tokens()
-            self.prefill_rate.observe(done, time.monotonic() - self._started)
+            self.prefill_rate.observe(done, self.clock() - self._started)
         self.update(busy)
 
     def first_token(self, seconds: float) -> None:

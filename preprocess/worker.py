@@ -211,7 +211,8 @@ def _inject_fault(kind: bytes, slots: Slots) -> None:
     """Test-only (enabled by the pool's _fault_prefix): die or hang like a broken decoder would.
 
     "late-exit" creates a slot the parent has never heard of, writes into it and dies, so the
-    parent's clean-up must find that segment by name.
+    parent's clean-up must find that segment by name. "wait:PATH" keeps the worker busy until the file
+    PATH exists (then the request fails as the non-image it is), or dies after a minute without it.
     """
     if kind.startswith(b"late-exit"):
         biggest = max((shm.size for shm in slots.shms.values()), default=0)
@@ -223,3 +224,9 @@ def _inject_fault(kind: bytes, slots: Slots) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
     if kind.startswith(b"hang"):
         time.sleep(3600)
+    if kind.startswith(b"wait:"):
+        path, deadline = os.fsdecode(kind[len(b"wait:") :]), time.monotonic() + 60
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                os._exit(3)
+            time.sleep(0.005)

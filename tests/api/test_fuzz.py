@@ -1,9 +1,8 @@
-"""Schemathesis against the live server's own OpenAPI schema: valid and schema-violating requests, a
-bounded number of cases and seconds; none may get a 5xx (and the server must still serve after)."""
+"""Schemathesis against the live server's own OpenAPI schema: valid and schema-violating requests, a fixed
+number of cases from a fixed seed (the same cases on any machine, however long they take); none may get a 5xx
+(and the server must still serve after)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import schemathesis
@@ -11,8 +10,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-MAX_CASES = {GenerationMode.POSITIVE: 130, GenerationMode.NEGATIVE: 70}  # 200 in all
-TIME_BUDGET_S = 60.0
+# 160 in all: about the cases a 30 s budget per mode reached on a 2-core AVX-512 machine, now the same on any.
+MAX_CASES = {GenerationMode.POSITIVE: 90, GenerationMode.NEGATIVE: 70}
 
 
 def bound_load(body) -> None:
@@ -40,7 +39,6 @@ def test_openapi_fuzz_finds_no_server_error(guarded_server, mode):
         ("GET", "/metrics"),
     }
     strategy = st.one_of([op.as_strategy(generation_mode=mode) for op in ops])
-    deadline = time.monotonic() + TIME_BUDGET_S / len(MAX_CASES)
     seen: list[tuple[str, int]] = []
 
     @settings(
@@ -53,8 +51,6 @@ def test_openapi_fuzz_finds_no_server_error(guarded_server, mode):
     )
     @given(case=strategy)
     def run(case):
-        if time.monotonic() > deadline:
-            return  # the time budget is spent: the remaining examples are no-ops
         bound_load(case.body)
         resp = case.call(base_url=server.base_url, timeout=30)
         seen.append((case.operation.path, resp.status_code))
@@ -63,7 +59,7 @@ def test_openapi_fuzz_finds_no_server_error(guarded_server, mode):
         )
 
     run()
-    assert len(seen) >= 20, seen
+    assert len(seen) == MAX_CASES[mode], len(seen)  # every case ran: none skipped for lack of time
     if mode is GenerationMode.NEGATIVE:
         assert any(status == 400 for _, status in seen)
     else:

@@ -158,12 +158,37 @@ def refused_port() -> int:
         return s.getsockname()[1]
 
 
+class BlackHole:
+    """A port that completes TCP handshakes but never reads or answers: a hung server. It counts the
+    connections made to it (each attempt a client makes, retries included)."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self._server.setblocking(False)
+        self.port = self._server.getsockname()[1]
+        self._held: list[socket.socket] = []
+
+    def connections(self) -> int:
+        """Connections made so far: a client's connect() returns once the handshake is done, so every one of
+        them is in the accept queue by then (taken here, held open, never read)."""
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except BlockingIOError:
+                return len(self._held)
+            self._held.append(conn)
+
+    def close(self) -> None:
+        self._server.close()
+        for conn in self._held:
+            conn.close()
+
+
 @pytest.fixture
-def black_hole() -> Iterator[int]:
-    """A port that completes TCP handshakes but never reads or answers: a hung server."""
-    server = socket.create_server(("127.0.0.1", 0), backlog=64)
-    yield server.getsockname()[1]
-    server.close()
+def black_hole() -> Iterator[BlackHole]:
+    hole = BlackHole()
+    yield hole
+    hole.close()
 
 
 class SwitchableProxy:

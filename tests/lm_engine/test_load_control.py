@@ -1,4 +1,8 @@
-"""The engine under load: a burst lowers the visual budget and it recovers; shedding; fairness."""
+"""The engine under load: a burst lowers the visual budget and it recovers; shedding; fairness.
+
+Time here is the engine's injected clock, advanced by each model step: the dwell, the measured prefill rate
+and every TTFT are in those virtual seconds, so no verdict depends on how fast the machine runs the steps.
+"""
 
 from __future__ import annotations
 
@@ -13,18 +17,59 @@ from lm_engine.sequence import SequenceStatus
 from tests.support import image_part, make_image, user
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+DWELL_S = 0.15
+STEP_S = 0.05  # virtual seconds a model step takes in the burst test: a third of the dwell
 
 
-def adaptive_engine(tiny_ckpt, **kw) -> LLMEngine:
+class VirtualClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def adaptive_engine(tiny_ckpt, clock: VirtualClock | None = None, **kw) -> LLMEngine:
     cfg = dict(
         model=str(tiny_ckpt),
         max_num_batched_tokens=64,
         visual_budget="adaptive",
-        budget_dwell_s=0.15,
+        budget_dwell_s=DWELL_S,
         ttft_slo_ms=300.0,
     )
     cfg.update(kw)
-    return LLMEngine(EngineConfig(**cfg))
+    return LLMEngine(EngineConfig(**cfg), clock=clock or time.monotonic)
+
+
+def paced(engine: LLMEngine, clock: VirtualClock, step_s: float) -> None:
+    """Each model step takes ``step_s`` on ``clock`` (and no real time beyond its own)."""
+    real_execute = engine.runner.execute
+
+    def execute(sched, embeddings):
+        clock.advance(step_s)
+        return real_execute(sched, embeddings)
+
+    engine.runner.execute = execute
+
+
+def encoded_first(engine: LLMEngine) -> None:
+    """Each step starts once every image the steps before it sent to the encoder is back, so which requests
+    a step can run does not depend on how fast the encoder threads are."""
+    real_step = engine.step
+
+    def step():
+        deadline = time.monotonic() + 120
+        engine.images.collect()
+        while engine.images.waiting:
+            assert time.monotonic() < deadline, "the encoder did not finish"
+            engine.images.wait(0.05)
+            engine.images.collect()
+        return real_step()
+
+    engine.step = step
 
 
 def drain(engine: LLMEngine, outputs: dict) -> None:
@@ -36,7 +81,10 @@ def drain(engine: LLMEngine, outputs: dict) -> None:
 
 def test_burst_lowers_level_and_it_returns_to_full(tiny_ckpt):
     # A ladder whose every level changes a 448×448 image's grid.
-    engine = adaptive_engine(tiny_ckpt, visual_ladder=(448 * 448, 224 * 448, 224 * 224, 56 * 56))
+    clock = VirtualClock()
+    engine = adaptive_engine(tiny_ckpt, clock, visual_ladder=(448 * 448, 224 * 448, 224 * 224, 56 * 56))
+    paced(engine, clock, STEP_S)
+    encoded_first(engine)
     images = [make_image(448, 448, s) for s in range(40)]
     outputs: dict = {}
     # A burst: new requests keep arriving faster than 64 tokens/step can prefill them.
@@ -58,7 +106,7 @@ def test_burst_lowers_level_and_it_returns_to_full(tiny_ckpt):
     tokens = [outputs[r].visual_tokens[0] for r in served]
     assert min(tokens) < tokens[0]  # lowered levels really mean fewer visual tokens
     # After the burst the level climbs back: a quiet spell, then a request gets full resolution.
-    time.sleep(4 * 0.15 * (engine.load.visual_budget.lowest + 1))
+    clock.advance(4 * DWELL_S * (engine.load.visual_budget.lowest + 1))
     engine.add_request("after", engine.process_chat(user(image_part(images[0]), "what?")), PARAMS)
     drain(engine, outputs)
     assert outputs["after"].visual_levels == [0]
@@ -69,9 +117,9 @@ def test_burst_lowers_level_and_it_returns_to_full(tiny_ckpt):
 
 @dataclass
 class SlowBurst:
-    """A burst run on steps slower than the dwell, with the TTFT SLO set from the measured step time."""
+    """A burst run on steps longer than the dwell, with the TTFT SLO set from the step time."""
 
-    step_s: float  # measured before the burst
+    step_s: float
     slo_s: float
     # Per step: (the level a new image would get right after it, prefill tokens still queued, the worst TTFT
     # seen so far (None before any), the admission state published).
@@ -83,36 +131,28 @@ class SlowBurst:
 
 
 BURST = 10  # requests of ~180 tokens: 7 steps of 256, below the 8 the token-based pressure treats as a limit
+SLOW_STEP_S = 0.2  # virtual seconds per step: four dwells
 
 
 @pytest.fixture(scope="module")
 def slow_burst(tiny_ckpt) -> SlowBurst:
     # Two levels, so the first step down reaches the floor; a 50 ms dwell, far shorter than a step.
+    clock = VirtualClock()
     engine = adaptive_engine(
         tiny_ckpt,
+        clock,
         max_num_batched_tokens=256,
         visual_ladder=(448 * 448, 56 * 56),
         budget_dwell_s=0.05,
         ttft_slo_ms=1e6,
     )
-    real_execute = engine.runner.execute
-
-    def slow_execute(sched, embeddings):
-        time.sleep(0.2)  # a long step, mostly sleep so that its length barely depends on the machine's load
-        return real_execute(sched, embeddings)
-
-    engine.runner.execute = slow_execute
-    for i in range(3):  # prompts like the burst's, 2 full steps of them
+    paced(engine, clock, SLOW_STEP_S)
+    for i in range(3):  # prompts like the burst's, 2 full steps of them: the prefill rate is measured
         engine.add_request(f"warm{i}", user(f"warm up {i} " + "word " * 140), PARAMS)
-    times = []
-    while engine.load.queued_prefill_tokens() >= 256:
-        t0 = time.monotonic()
-        engine.step()
-        times.append(time.monotonic() - t0)
     drain(engine, {})
-    step_s = min(times)
+    assert engine.load.prefill_rate.tokens_per_s is not None
     # The requests finishing in the 2nd step see 2 steps of TTFT, those in the 3rd see 3: an SLO between.
-    run = SlowBurst(step_s=step_s, slo_s=2.5 * step_s)
+    run = SlowBurst(step_s=SLOW_STEP_S, slo_s=2.5 * SLOW_STEP_S)
     engine.load.visual_budget.ttft_slo_s = run.slo_s
     assert engine.load.visual_budget.level_for("auto") == 0
     prompts = [engine.process_chat(user(f"question {i} " + "word " * 140)) for i in range(BURST)]
@@ -133,12 +173,12 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
             (engine.load.visual_budget.level_for("auto"), queued, worst_ttft, engine.admission.state)
         )
         if queued == 0 and run.drained_at is None:
-            run.drained_at = time.monotonic()
+            run.drained_at = clock()
         if engine.admission.state.overloaded and run.refused is None:
             with pytest.raises(EngineOverloaded) as err:
                 engine.add_request("late", user("one more"), PARAMS)
-            run.refused = (err.value, time.monotonic())
-    time.sleep(3 * 0.05)  # idle for whole dwells
+            run.refused = (err.value, clock())
+    clock.advance(3 * 0.05)  # idle for whole dwells
     run.level_after_idle = engine.load.visual_budget.level_for("auto")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()

@@ -16,6 +16,8 @@ from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, Prepro
 from preprocess.worker import MAX_IDLE_SLOTS
 
 FAULT = b"\x00VLMSERVE-TEST-FAULT:"
+TICKS = 20
+WAIT_S = 60.0  # a bound on waiting for a condition, far past any machine's pace: reaching it fails the test
 
 
 def _our_segments(pool: PreprocessPool) -> set[str]:
@@ -197,42 +199,38 @@ def test_hung_worker_is_killed_after_timeout(pool, images, config):
         start = time.monotonic()
         with pytest.raises(PreprocessWorkerError, match="longer than 1.0 s"):
             pool.run(FAULT + b"hang", config)
-        assert time.monotonic() - start < 10
+        # The hang lasts an hour: only the 1 s timeout ends it sooner.
+        assert time.monotonic() - start < WAIT_S
     finally:
         pool.timeout_s = old
     assert pool.run(images[0], config).grid_thw == preprocess(images[0], config).grid_thw
 
 
-def test_event_loop_keeps_ticking(pool, make_image, config):
-    big = [make_image("jpeg", 2048, 1536, seed=10), make_image("png", 1536, 2048, seed=11)]
+def test_event_loop_keeps_ticking_while_workers_are_busy(pool, config, tmp_path):
+    """Every worker is held busy until the event loop has ticked TICKS times: the jobs can only finish if
+    submitting and awaiting them left the loop free (a blocked loop leaves the file unmade and the workers
+    die of waiting, which fails the jobs with PreprocessWorkerError)."""
+    go = tmp_path / "go"
+    ticks = 0
 
-    async def go():
-        loop = asyncio.get_running_loop()
-        gaps: list[float] = []
-        done = asyncio.Event()
-
+    async def main():
         async def ticker():
-            last = loop.time()
-            while not done.is_set():
-                await asyncio.sleep(0.005)
-                now = loop.time()
-                gaps.append(now - last)
-                last = now
+            nonlocal ticks
+            while ticks < TICKS:
+                await asyncio.sleep(0.001)
+                ticks += 1
+            go.touch()
 
+        jobs = [pool.submit(FAULT + b"wait:" + os.fsencode(go), config) for _ in range(pool.num_workers)]
         task = asyncio.create_task(ticker())
-        start = loop.time()
-        results = await asyncio.gather(*(pool.submit(big[i % 2], config) for i in range(16)))
-        elapsed = loop.time() - start
-        done.set()
+        results = await asyncio.gather(*jobs, return_exceptions=True)
         await task
-        return results, gaps, elapsed
+        return results
 
-    results, gaps, elapsed = asyncio.run(go())
-    assert len(results) == 16 and all(r.patches.shape[0] > 1000 for r in results)
-    # Had anything blocked the loop for the whole batch, one gap would span ~`elapsed`.
-    assert elapsed > 0.3
-    assert max(gaps) < min(0.25, elapsed / 3), (max(gaps), elapsed)
-    assert len(gaps) > elapsed / 0.05
+    results = asyncio.run(main())
+    assert ticks == TICKS
+    # Not images, so once let go they fail in the worker (which lives on), not with it.
+    assert all(isinstance(r, PreprocessError) for r in results), results
 
 
 def test_stats_and_latency_hook(pool, images, config):
@@ -264,7 +262,7 @@ def test_close_reaps_workers_and_refuses_new_work(images, config):
     p.run(images[0], config)
     pids = p.worker_pids()
     p.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + WAIT_S
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids and all(_gone(pid) for pid in pids)
