@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import socket
 import threading
@@ -22,6 +21,7 @@ import pytest
 
 from api.cluster.haproxy import AdminSocket, BalancerConfig, HAProxyMissing, find_haproxy
 from api.cluster.launcher import Cluster, ClusterSpec
+from tests.support import skip_or_fail
 
 # NOTE: loopback only; db 12 is the cluster tests' own, and every key they write starts with REDIS_PREFIX.
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -29,22 +29,12 @@ REDIS_PREFIX = f"vlmserve-test-cluster-{uuid.uuid4().hex[:12]}:"
 HOLD = "x-test-hold"  # a stand-in replica keeps such a request open until the test releases it
 
 
-def _require(problem: str | None, what: str) -> None:
-    """Tests that need HAProxy or Redis fail on CI (where bin/setup and .ci/run provide them), skip elsewhere."""
-    if problem is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{problem} (CI is set, so the {what} tests must run)")
-    pytest.skip(problem)
-
-
 @pytest.fixture(scope="session")
 def haproxy_bin() -> str:
     try:
         return find_haproxy()
     except HAProxyMissing as exc:
-        _require(str(exc), "cluster")
-        raise
+        skip_or_fail(str(exc))
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +45,7 @@ def redis_url() -> Iterator[str]:
     try:
         client.ping()
     except (redis.RedisError, OSError) as exc:
-        _require(f"Redis on 127.0.0.1:6379 did not answer ({exc!r})", "Redis")
+        skip_or_fail(f"Redis on 127.0.0.1:6379 did not answer ({exc!r})")
     yield REDIS_URL
     keys = list(client.scan_iter(match=f"{REDIS_PREFIX}*", count=500))
     if keys:
