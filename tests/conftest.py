@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import skip_or_fail
+from tests.support import HFOracle, redis_client
 
-# ---------------------------------------------------------------- generated checkpoints
+# ---------------------------------------------------------------- generated checkpoints and the oracle
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,12 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def hf_oracle(tiny_ckpt: Path) -> HFOracle:
+    """transformers' generate() on the tiny checkpoint, built once per session (its answers memoised)."""
+    return HFOracle(tiny_ckpt)
+
+
 # ---------------------------------------------------------------- the real Redis (engine-level tests)
 
 ENGINE_REDIS_URL = "redis://127.0.0.1:6379/14"  # NOTE: loopback only; db 14 is the engine tests' own
@@ -25,13 +31,7 @@ ENGINE_REDIS_URL = "redis://127.0.0.1:6379/14"  # NOTE: loopback only; db 14 is 
 @pytest.fixture
 def redis_db_url():
     """Redis for engine tests: skips locally without a server, fails on CI; deletes test keys after."""
-    import redis
-
-    client = redis.Redis.from_url(ENGINE_REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError) as exc:
-        skip_or_fail(f"Redis on 127.0.0.1:6379 did not answer ({exc!r})")
+    client = redis_client(ENGINE_REDIS_URL)
     yield ENGINE_REDIS_URL
     for key in client.scan_iter(match="vlmserve-test-*", count=500):
         client.delete(key)

@@ -1,10 +1,15 @@
-"""Test helpers shared across folders: prerequisites that CI must have, test images, chat builders, and
-transformers as the oracle."""
+"""Test helpers shared across folders: prerequisites that CI must have, test images, chat builders, servers'
+ports and metrics, and transformers as the oracle."""
 
 from __future__ import annotations
 
+import base64
 import io
 import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import NoReturn
 
@@ -12,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageOps
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def on_ci() -> bool:
@@ -39,6 +45,75 @@ def prerequisite(problem: str | None):
             skip_or_fail(problem)
 
     return _prerequisite
+
+
+def redis_client(url: str, timeout_s: float = 1.0):
+    """A client of the test Redis at ``url`` (loopback, a test-only DB), once it answers; else skip_or_fail."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        client.close()
+        skip_or_fail(f"Redis at {url} did not answer ({exc!r}); start redis-server on 127.0.0.1:6379")
+    return client
+
+
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's request handler: keep-alive HTTP/1.1, no access log, whole bodies with a length."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send_body(
+        self, status: int, body: bytes, ctype: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{label=value,...}': value}``, labels sorted."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_idle(read_metrics: Callable[[], dict[str, float]], timeout_s: float, poll_s: float = 0.02):
+    """A server's metrics once no request runs or waits and every KV block is free (the last look on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read_metrics()
+        idle = (
+            m["vlmserve_num_requests_running"] == 0
+            and m["vlmserve_num_requests_waiting"] == 0
+            and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(poll_s)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def make_image(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:

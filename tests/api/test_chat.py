@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from lm_engine import LLM, SamplingParams
-from tests.api.conftest import JPEG, PNG, data_url
-from tests.support import image_part, make_image
+from tests.api.conftest import JPEG, PNG
+from tests.support import data_url, image_part, make_image, user
 
 MAX_NEW = 12
 
@@ -21,11 +21,6 @@ MAX_NEW = 12
 def image_url_part(url: str, detail: str | None = None) -> dict:
     spec = {"url": url} if detail is None else {"url": url, "detail": detail}
     return {"type": "image_url", "image_url": spec}
-
-
-def ask(*parts) -> list[dict]:
-    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 def greedy(client, messages, **kw):
@@ -52,8 +47,8 @@ def offline(tiny_ckpt):
 
 CONVERSATIONS = {
     "one-image": (
-        ask(image_url_part(data_url(JPEG, "image/jpeg")), "What is in this picture?"),
-        ask(image_part(JPEG), "What is in this picture?"),
+        user(image_url_part(data_url(JPEG, "image/jpeg")), "What is in this picture?"),
+        user(image_part(JPEG), "What is in this picture?"),
     ),
     "text-multi-turn": (
         [
@@ -70,10 +65,10 @@ CONVERSATIONS = {
         ],
     ),
     "two-images": (
-        ask(
+        user(
             image_url_part(data_url(PNG)), "versus", image_url_part(data_url(JPEG, "image/jpeg")), "Compare."
         ),
-        ask(image_part(PNG), "versus", image_part(JPEG), "Compare."),
+        user(image_part(PNG), "versus", image_part(JPEG), "Compare."),
     ),
 }
 
@@ -103,7 +98,7 @@ def test_greedy_equals_transformers_and_offline(client, hf_oracle, offline, name
 
 
 def test_streaming_equals_non_streaming(client):
-    messages = ask(image_url_part(data_url(PNG)), "Describe it.")
+    messages = user(image_url_part(data_url(PNG)), "Describe it.")
     full = greedy(client, messages)
     stream = client.chat.completions.create(
         model="tiny",
@@ -135,8 +130,8 @@ def test_streaming_equals_non_streaming(client):
 
 def test_http_image_equals_same_bytes_inline(client, image_server):
     before = image_server.hits["/img.png"]
-    by_url = greedy(client, ask(image_url_part(image_server.url("/img.png")), "What is it?"))
-    inline = greedy(client, ask(image_url_part(data_url(PNG)), "What is it?"))
+    by_url = greedy(client, user(image_url_part(image_server.url("/img.png")), "What is it?"))
+    inline = greedy(client, user(image_url_part(data_url(PNG)), "What is it?"))
     assert image_server.hits["/img.png"] == before + 1
     assert by_url.choices[0].token_ids == inline.choices[0].token_ids
     assert by_url.usage.visual_tokens == inline.usage.visual_tokens
@@ -144,20 +139,20 @@ def test_http_image_equals_same_bytes_inline(client, image_server):
 
 def test_file_url_under_allowed_path(client, guarded_server):
     (guarded_server.media_dir / "page.png").write_bytes(PNG)
-    by_file = greedy(client, ask(image_url_part(f"file://{guarded_server.media_dir}/page.png"), "Read it."))
-    inline = greedy(client, ask(image_url_part(data_url(PNG)), "Read it."))
+    by_file = greedy(client, user(image_url_part(f"file://{guarded_server.media_dir}/page.png"), "Read it."))
+    inline = greedy(client, user(image_url_part(data_url(PNG)), "Read it."))
     assert by_file.choices[0].token_ids == inline.choices[0].token_ids
 
 
 def test_two_images_in_one_message(client, hf_oracle, image_server):
-    messages = ask(
+    messages = user(
         image_url_part(data_url(JPEG, "image/jpeg"), "high"),
         "and",
         {"type": "image_url", "image_url": image_server.url("/img.png")},  # the plain-string form
         "Compare them.",
     )
     resp = greedy(client, messages)
-    conv = ask(image_part(JPEG), "and", image_part(PNG), "Compare them.")
+    conv = user(image_part(JPEG), "and", image_part(PNG), "Compare them.")
     grids = hf_oracle.inputs(conv)["image_grid_thw"].tolist()
     assert resp.usage.visual_tokens == [t * h * w // 4 for t, h, w in grids]
     assert resp.choices[0].token_ids == hf_oracle.generate(conv, MAX_NEW)
@@ -169,7 +164,7 @@ def test_detail_sets_the_visual_budget(guarded_server):
     body = {
         "model": "tiny",
         "max_tokens": 2,
-        "messages": ask(
+        "messages": user(
             image_url_part(data_url(big, "image/jpeg"), "low"),
             image_url_part(data_url(big, "image/jpeg"), "high"),
         ),
@@ -184,7 +179,7 @@ def test_detail_sets_the_visual_budget(guarded_server):
 
 
 def test_n2_sampled_choices(client):
-    messages = ask("Tell me a story.")
+    messages = user("Tell me a story.")
     resp = client.chat.completions.create(
         model="tiny", messages=messages, n=2, temperature=1.0, max_tokens=16, seed=7
     )
@@ -207,7 +202,7 @@ def test_seed_reproducibility(client):
         return (
             client.chat.completions.create(
                 model="tiny",
-                messages=ask("Say something."),
+                messages=user("Say something."),
                 temperature=1.0,
                 top_p=0.95,
                 max_tokens=16,
@@ -223,7 +218,7 @@ def test_seed_reproducibility(client):
 
 
 def test_top_k_one_is_greedy(client):
-    messages = ask("Count to five.")
+    messages = user("Count to five.")
     greedy_text = greedy(client, messages).choices[0].message.content
     top1 = client.chat.completions.create(
         model="tiny", messages=messages, temperature=1.0, max_tokens=MAX_NEW, extra_body={"top_k": 1}
@@ -232,7 +227,7 @@ def test_top_k_one_is_greedy(client):
 
 
 def test_stop_strings(client):
-    messages = ask("Write a long sentence about the sea and the wind.")
+    messages = user("Write a long sentence about the sea and the wind.")
     full = greedy(client, messages, max_tokens=24).choices[0].message.content
     stop = full[6:9]
     expected = full[: full.find(stop)]
@@ -253,7 +248,7 @@ def test_stop_strings(client):
 
 def test_cached_tokens_on_repeated_prompt(client, guarded_server):
     # A unique prompt: only the shared chat-template prefix can be cached the first time.
-    messages = ask(image_url_part(data_url(PNG)), f"Session {uuid.uuid4().hex}: what do you see here?")
+    messages = user(image_url_part(data_url(PNG)), f"Session {uuid.uuid4().hex}: what do you see here?")
     first = greedy(client, messages)
     second = greedy(client, messages)
     p = first.usage.prompt_tokens

@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cache import EmbeddingKey, RedisTier
-from tests.support import skip_or_fail
+from tests.support import free_port, skip_or_fail
 
 # NOTE: only ever 127.0.0.1; db 13 keeps test keys away from anything else using this server.
 REDIS_HOST, REDIS_PORT, REDIS_DB = "127.0.0.1", 6379, 13
@@ -150,9 +150,7 @@ def same_bits() -> Callable[[torch.Tensor, torch.Tensor], bool]:
 @pytest.fixture
 def refused_port() -> int:
     """A 127.0.0.1 port nothing listens on (connections are refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture
