@@ -246,6 +246,43 @@ def test_stop_strings(client):
     assert text == expected and finish == "stop"
 
 
+def spanning_stop(tokenizer, text: str, ids: list[int]) -> tuple[str, int]:
+    """A 4-character stop string made of the last 2 characters of one generated token and the first 2 of
+    the next (its first place in ``text``), and how many tokens it takes to complete it."""
+    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    for k in range(1, len(ids) - 1):
+        start, cut, end = ends[k - 1] - 2, ends[k - 1], ends[k]
+        pieces = (tokenizer.decode(ids[k - 1 : k]), tokenizer.decode(ids[k : k + 1]))
+        if start < 1 or end - cut < 2 or pieces != (text[ends[k - 2] if k > 1 else 0 : cut], text[cut:end]):
+            continue  # too early, a short next token, or a character split across tokens
+        stop = text[start : cut + 2]
+        if text.find(stop) == start:
+            return stop, k + 1
+    raise AssertionError(f"no stop string spans two tokens in {text!r}")
+
+
+def test_stop_string_spanning_two_tokens(client, hf_oracle):
+    """The stop string's characters come from two consecutive tokens: the text ends right before it, the
+    ids end with the token that completed it, and no streamed delta ever carried any part of it."""
+    messages = user("Write a long sentence about the sea and the wind.")
+    full = greedy(client, messages, max_tokens=24).choices[0]
+    stop, n = spanning_stop(hf_oracle.processor.tokenizer, full.message.content, full.token_ids)
+    expected = full.message.content[: full.message.content.find(stop)]
+    resp = greedy(client, messages, max_tokens=24, stop=[stop])
+    (c,) = resp.choices
+    assert (c.message.content, c.finish_reason, c.token_ids) == (expected, "stop", full.token_ids[:n])
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0.0, max_tokens=24, stop=[stop], stream=True
+    )
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            assert expected.startswith(text), f"{text!r} went past {expected!r}: part of {stop!r} leaked"
+            finish = c.finish_reason or finish
+    assert (text, finish) == (expected, "stop")
+
+
 def fresh_image(seed: int) -> bytes:
     """An image that only the calling test sends (its own size and seed): nothing of it is cached before."""
     return make_image(168, 112, 6100 + seed)
