@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support import HFOracle, redis_client
+from tests.support import EOS_PROBE, HFOracle, redis_client
 
 # ---------------------------------------------------------------- generated checkpoints and the oracle
 
@@ -21,6 +23,27 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_oracle(tiny_ckpt: Path) -> HFOracle:
     """transformers' generate() on the tiny checkpoint, built once per session (its answers memoised)."""
     return HFOracle(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def eos_ckpt(tiny_ckpt: Path, hf_oracle: HFOracle, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint (same weights) whose EOS is a token that its greedy answer to EOS_PROBE produces
+    early: the tiny model never emits its own EOS greedily, so without this no test sees a choice end by EOS."""
+    ids = hf_oracle.generate(EOS_PROBE, 24)
+    eos = next(tok for j, tok in enumerate(ids) if j >= 3 and tok not in ids[:j])
+    out = tmp_path_factory.mktemp("eos_ckpt")
+    shutil.copytree(tiny_ckpt, out, dirs_exist_ok=True)
+    for name, value in (("config.json", eos), ("generation_config.json", [eos])):
+        config = json.loads((out / name).read_text())
+        config["eos_token_id"] = value
+        (out / name).write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def eos_oracle(eos_ckpt: Path) -> HFOracle:
+    """transformers' generate() on ``eos_ckpt``: it stops where the checkpoint's EOS says."""
+    return HFOracle(eos_ckpt)
 
 
 # ---------------------------------------------------------------- the real Redis (engine-level tests)

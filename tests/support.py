@@ -169,6 +169,10 @@ def mixed_requests() -> list[list[dict]]:
     ]
 
 
+# The conversation whose greedy answer picks the EOS token of the `eos_ckpt` fixture (see tests/conftest.py).
+EOS_PROBE = user("Tell me a story about a lighthouse keeper and the sea, in three short sentences.")
+
+
 class HFOracle:
     """transformers' own processor + generate() on the same checkpoint (greedy; float32 unless asked)."""
 
@@ -199,10 +203,11 @@ class HFOracle:
         return self.processor(text=[text], images=images or None, return_tensors="pt")
 
     @torch.no_grad()
-    def generate(self, conv: list[dict], max_new_tokens: int) -> list[int]:
-        key = (repr(conv), max_new_tokens)
+    def generate(self, conv: list[dict], max_new_tokens: int, **generate_kw) -> list[int]:
+        """Greedy new token ids; ``generate_kw`` overrides the checkpoint's generation config (e.g. its EOS)."""
+        key = (repr(conv), max_new_tokens, repr(sorted(generate_kw.items())))
         if key not in self._memo:
             inputs = self.inputs(conv).to(self.model.device)
-            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kw)
             self._memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
         return self._memo[key]
