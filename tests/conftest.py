@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-# ---------------------------------------------------------------- generated checkpoints
+from tests.support import EOS_PROBE, HFOracle, redis_client
+
+# ---------------------------------------------------------------- generated checkpoints and the oracle
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +19,33 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="session")
+def hf_oracle(tiny_ckpt: Path) -> HFOracle:
+    """transformers' generate() on the tiny checkpoint, built once per session (its answers memoised)."""
+    return HFOracle(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def eos_ckpt(tiny_ckpt: Path, hf_oracle: HFOracle, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny checkpoint (same weights) whose EOS is a token that its greedy answer to EOS_PROBE produces
+    early: the tiny model never emits its own EOS greedily, so without this no test sees a choice end by EOS."""
+    ids = hf_oracle.generate(EOS_PROBE, 24)
+    eos = next(tok for j, tok in enumerate(ids) if j >= 3 and tok not in ids[:j])
+    out = tmp_path_factory.mktemp("eos_ckpt")
+    shutil.copytree(tiny_ckpt, out, dirs_exist_ok=True)
+    for name, value in (("config.json", eos), ("generation_config.json", [eos])):
+        config = json.loads((out / name).read_text())
+        config["eos_token_id"] = value
+        (out / name).write_text(json.dumps(config, indent=2))
+    return out
+
+
+@pytest.fixture(scope="session")
+def eos_oracle(eos_ckpt: Path) -> HFOracle:
+    """transformers' generate() on ``eos_ckpt``: it stops where the checkpoint's EOS says."""
+    return HFOracle(eos_ckpt)
+
+
 # ---------------------------------------------------------------- the real Redis (engine-level tests)
 
 ENGINE_REDIS_URL = "redis://127.0.0.1:6379/14"  # NOTE: loopback only; db 14 is the engine tests' own
@@ -23,17 +54,7 @@ ENGINE_REDIS_URL = "redis://127.0.0.1:6379/14"  # NOTE: loopback only; db 14 is 
 @pytest.fixture
 def redis_db_url():
     """Redis for engine tests: skips locally without a server, fails on CI; deletes test keys after."""
-    import os
-
-    import redis
-
-    client = redis.Redis.from_url(ENGINE_REDIS_URL, socket_timeout=1, socket_connect_timeout=1)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError) as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"Redis on 127.0.0.1:6379 did not answer ({exc!r}); CI must run the Redis tests")
-        pytest.skip(f"Redis on 127.0.0.1:6379 did not answer ({exc!r})")
+    client = redis_client(ENGINE_REDIS_URL)
     yield ENGINE_REDIS_URL
     for key in client.scan_iter(match="vlmserve-test-*", count=500):
         client.delete(key)

@@ -1,13 +1,119 @@
-"""Test helpers shared across folders: test images, chat builders, and transformers as the oracle."""
+"""Test helpers shared across folders: prerequisites that CI must have, test images, chat builders, servers'
+ports and metrics, and transformers as the oracle."""
 
 from __future__ import annotations
 
+import base64
 import io
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image, ImageOps
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def on_ci() -> bool:
+    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """A prerequisite is missing (a server, a compiler, a package): skip here, fail under ``CI=true``.
+
+    CI provides every prerequisite (bin/setup, .ci/run), so a skip there would be a check that never ran.
+    """
+    if on_ci():
+        pytest.fail(f"{reason} (CI is set, so this test must run)", pytrace=False)
+    pytest.skip(reason)
+
+
+def prerequisite(problem: str | None):
+    """An autouse fixture for a test module (assign it to a module-level name): every test of the module
+    goes through skip_or_fail while ``problem`` is not None. Each test fails on its own under CI, rather than
+    a collection error stopping the whole run."""
+
+    @pytest.fixture(autouse=True)
+    def _prerequisite() -> None:
+        if problem is not None:
+            skip_or_fail(problem)
+
+    return _prerequisite
+
+
+def redis_client(url: str, timeout_s: float = 1.0):
+    """A client of the test Redis at ``url`` (loopback, a test-only DB), once it answers; else skip_or_fail."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        client.close()
+        skip_or_fail(f"Redis at {url} did not answer ({exc!r}); start redis-server on 127.0.0.1:6379")
+    return client
+
+
+def free_port() -> int:
+    """A 127.0.0.1 port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A test server's request handler: keep-alive HTTP/1.1, no access log, whole bodies with a length."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def send_body(
+        self, status: int, body: bytes, ctype: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{label=value,...}': value}``, labels sorted."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_idle(read_metrics: Callable[[], dict[str, float]], timeout_s: float, poll_s: float = 0.02):
+    """A server's metrics once no request runs or waits and every KV block is free (the last look on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = read_metrics()
+        idle = (
+            m["vlmserve_num_requests_running"] == 0
+            and m["vlmserve_num_requests_waiting"] == 0
+            and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
+        )
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(poll_s)
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def make_image(width: int, height: int, seed: int, fmt: str = "PNG") -> bytes:
@@ -63,6 +169,10 @@ def mixed_requests() -> list[list[dict]]:
     ]
 
 
+# The conversation whose greedy answer picks the EOS token of the `eos_ckpt` fixture (see tests/conftest.py).
+EOS_PROBE = user("Tell me a story about a lighthouse keeper and the sea, in three short sentences.")
+
+
 class HFOracle:
     """transformers' own processor + generate() on the same checkpoint (greedy; float32 unless asked)."""
 
@@ -93,10 +203,11 @@ class HFOracle:
         return self.processor(text=[text], images=images or None, return_tensors="pt")
 
     @torch.no_grad()
-    def generate(self, conv: list[dict], max_new_tokens: int) -> list[int]:
-        key = (repr(conv), max_new_tokens)
+    def generate(self, conv: list[dict], max_new_tokens: int, **generate_kw) -> list[int]:
+        """Greedy new token ids; ``generate_kw`` overrides the checkpoint's generation config (e.g. its EOS)."""
+        key = (repr(conv), max_new_tokens, repr(sorted(generate_kw.items())))
         if key not in self._memo:
             inputs = self.inputs(conv).to(self.model.device)
-            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kw)
             self._memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
         return self._memo[key]

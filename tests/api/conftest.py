@@ -1,9 +1,8 @@
 """API-test fixtures: one real server process per session (behind the test net guard), a local image
-server and a canary listener on 127.0.0.1, and transformers as the oracle."""
+server and a canary listener on 127.0.0.1."""
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import socket
@@ -13,16 +12,15 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import HFOracle, make_image
+from tests.support import QuietHandler, free_port, make_image, parse_metrics, wait_idle
 
 REPO = Path(__file__).resolve().parents[2]
 NETGUARD = Path(__file__).resolve().parent / "netguard"
@@ -43,16 +41,6 @@ PNG = make_image(160, 120, 21)
 JPEG = make_image(224, 224, 22, "JPEG")
 
 
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------- local HTTP image server
 
 
@@ -64,20 +52,9 @@ class ImageServer:
         self.connections = 0
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def _send(self, status: int, body: bytes, ctype: str = "image/png", headers=()) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                for k, v in headers:
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_body(status, body, ctype, headers)
 
             def do_GET(self) -> None:
                 parts = urlsplit(self.path)
@@ -189,15 +166,7 @@ class ServerProcess:
         )
 
     def metrics(self) -> dict[str, float]:
-        text = self.http.get("/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = s.name + (
-                    "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
-                )
-                out[key] = s.value
-        return out
+        return parse_metrics(self.http.get("/metrics").text)
 
     def guard_events(self) -> list[dict]:
         if not self.guard_log.exists():
@@ -206,17 +175,7 @@ class ServerProcess:
 
     def wait_idle(self, timeout: float = 5.0) -> dict[str, float]:
         """Metrics once no request runs or waits and every KV block is free (or the last look on timeout)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (
-                m["vlmserve_num_requests_running"] == 0
-                and m["vlmserve_num_requests_waiting"] == 0
-                and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
-            )
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
+        return wait_idle(self.metrics, timeout)
 
     def assert_alive(self) -> None:
         assert self.proc.poll() is None, f"server exited: {self.log_path.read_text()[-3000:]}"
@@ -308,8 +267,3 @@ def guarded_server(server):
     report = json.loads(server.guard_report.read_text())
     assert report["ok"], report
     return server
-
-
-@pytest.fixture(scope="session")
-def hf_oracle(tiny_ckpt) -> HFOracle:
-    return HFOracle(tiny_ckpt)

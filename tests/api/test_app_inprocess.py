@@ -16,6 +16,7 @@ from api.server import create_app
 from api.ssrf import AddressGuard, is_public_address
 from lm_engine import LLMEngine
 from lm_engine.config import EngineConfig
+from tests.support import EOS_PROBE
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
 
@@ -179,6 +180,25 @@ def test_a_fatal_device_error_stops_the_engine(tiny_ckpt, where):
         assert resp.status_code == 500, resp.json()  # the server's fault, not the image's
         assert client.get("/health").status_code == 503
         assert client.post("/v1/chat/completions", json=CHAT).status_code == 503
+
+
+def test_eos_and_ignore_eos(eos_ckpt, eos_oracle):
+    """A choice that ends by EOS reports finish_reason "stop", streamed or not, at transformers' last token;
+    with ignore_eos it runs on to max_tokens as transformers does with no EOS at all."""
+    body = {"messages": EOS_PROBE, "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+    stopped = eos_oracle.generate(EOS_PROBE, 20)
+    assert len(stopped) < 20, "the probe must end by EOS for this test to bite"
+    with make_client(eos_ckpt) as client:
+        (choice,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+        assert (choice["token_ids"], choice["finish_reason"]) == (stopped, "stop")
+        resp = client.post("/v1/chat/completions", json={**body, "stream": True})
+        events = [json.loads(line[6:]) for line in resp.text.splitlines() if line.startswith("data: {")]
+        choices = [c for e in events for c in e["choices"]]
+        assert [t for c in choices for t in c.get("token_ids") or []] == stopped
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["stop"]
+        (choice,) = client.post("/v1/chat/completions", json={**body, "ignore_eos": True}).json()["choices"]
+        assert choice["token_ids"] == eos_oracle.generate(EOS_PROBE, 20, eos_token_id=None)
+        assert choice["finish_reason"] == "length"
 
 
 def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt):

@@ -9,7 +9,8 @@ import zlib
 
 import pytest
 
-from tests.api.conftest import IMAGE_LIMIT, MAX_MEDIA_BYTES, MAX_MODEL_LEN, PNG, data_url
+from tests.api.conftest import IMAGE_LIMIT, MAX_MEDIA_BYTES, MAX_MODEL_LEN, PNG
+from tests.support import data_url
 
 
 def with_image(url: str, text: str = "What is this?") -> dict:

@@ -7,7 +7,6 @@ so only an order that runs a page's questions after its first one has prefilled 
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from api.batch import BatchOptions, run_batch
 from api.media import MediaConfig
 from lm_engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from tests.support import image_part, make_image
+from tests.support import data_url, image_part, make_image
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
@@ -27,10 +26,6 @@ PAGES = [make_image(224, 224, 31), make_image(280, 196, 32, "JPEG"), make_image(
 MIMES = ["image/png", "image/jpeg", "image/png"]
 QUESTIONS = ["What is the title?", "Summarise the table.", "Who wrote this page?"]
 CORRUPT = PAGES[0][:300]  # a valid PNG header, truncated data: fails when decoded
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 def line(custom_id: str, messages: list[dict], **body) -> str:

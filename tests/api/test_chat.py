@@ -7,13 +7,11 @@ the server generated, and the text is checked to be what the same tokenizer deco
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from lm_engine import LLM, SamplingParams
-from tests.api.conftest import JPEG, PNG, data_url
-from tests.support import image_part, make_image
+from tests.api.conftest import JPEG, PNG
+from tests.support import data_url, image_part, make_image, user
 
 MAX_NEW = 12
 
@@ -21,11 +19,6 @@ MAX_NEW = 12
 def image_url_part(url: str, detail: str | None = None) -> dict:
     spec = {"url": url} if detail is None else {"url": url, "detail": detail}
     return {"type": "image_url", "image_url": spec}
-
-
-def ask(*parts) -> list[dict]:
-    content = [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 def greedy(client, messages, **kw):
@@ -52,8 +45,8 @@ def offline(tiny_ckpt):
 
 CONVERSATIONS = {
     "one-image": (
-        ask(image_url_part(data_url(JPEG, "image/jpeg")), "What is in this picture?"),
-        ask(image_part(JPEG), "What is in this picture?"),
+        user(image_url_part(data_url(JPEG, "image/jpeg")), "What is in this picture?"),
+        user(image_part(JPEG), "What is in this picture?"),
     ),
     "text-multi-turn": (
         [
@@ -70,10 +63,10 @@ CONVERSATIONS = {
         ],
     ),
     "two-images": (
-        ask(
+        user(
             image_url_part(data_url(PNG)), "versus", image_url_part(data_url(JPEG, "image/jpeg")), "Compare."
         ),
-        ask(image_part(PNG), "versus", image_part(JPEG), "Compare."),
+        user(image_part(PNG), "versus", image_part(JPEG), "Compare."),
     ),
 }
 
@@ -87,7 +80,9 @@ def test_greedy_equals_transformers_and_offline(client, hf_oracle, offline, name
     assert choice.token_ids == hf_ids
     off = offline.chat(conv, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))[0]
     assert off.token_ids == hf_ids
-    assert choice.message.content == off.text
+    # The text streamed out token by token is what the tokenizer decodes from all the ids at once.
+    text = hf_oracle.processor.tokenizer.decode(hf_ids, skip_special_tokens=True)
+    assert choice.message.content == off.text == text
     inputs = hf_oracle.inputs(conv)
     assert resp.prompt_token_ids == inputs["input_ids"][0].tolist()
     # Usage: prompt/completion counts and each image's visual tokens (transformers' grid / the 2x2 merge).
@@ -103,7 +98,7 @@ def test_greedy_equals_transformers_and_offline(client, hf_oracle, offline, name
 
 
 def test_streaming_equals_non_streaming(client):
-    messages = ask(image_url_part(data_url(PNG)), "Describe it.")
+    messages = user(image_url_part(data_url(PNG)), "Describe it.")
     full = greedy(client, messages)
     stream = client.chat.completions.create(
         model="tiny",
@@ -135,8 +130,8 @@ def test_streaming_equals_non_streaming(client):
 
 def test_http_image_equals_same_bytes_inline(client, image_server):
     before = image_server.hits["/img.png"]
-    by_url = greedy(client, ask(image_url_part(image_server.url("/img.png")), "What is it?"))
-    inline = greedy(client, ask(image_url_part(data_url(PNG)), "What is it?"))
+    by_url = greedy(client, user(image_url_part(image_server.url("/img.png")), "What is it?"))
+    inline = greedy(client, user(image_url_part(data_url(PNG)), "What is it?"))
     assert image_server.hits["/img.png"] == before + 1
     assert by_url.choices[0].token_ids == inline.choices[0].token_ids
     assert by_url.usage.visual_tokens == inline.usage.visual_tokens
@@ -144,20 +139,20 @@ def test_http_image_equals_same_bytes_inline(client, image_server):
 
 def test_file_url_under_allowed_path(client, guarded_server):
     (guarded_server.media_dir / "page.png").write_bytes(PNG)
-    by_file = greedy(client, ask(image_url_part(f"file://{guarded_server.media_dir}/page.png"), "Read it."))
-    inline = greedy(client, ask(image_url_part(data_url(PNG)), "Read it."))
+    by_file = greedy(client, user(image_url_part(f"file://{guarded_server.media_dir}/page.png"), "Read it."))
+    inline = greedy(client, user(image_url_part(data_url(PNG)), "Read it."))
     assert by_file.choices[0].token_ids == inline.choices[0].token_ids
 
 
 def test_two_images_in_one_message(client, hf_oracle, image_server):
-    messages = ask(
+    messages = user(
         image_url_part(data_url(JPEG, "image/jpeg"), "high"),
         "and",
         {"type": "image_url", "image_url": image_server.url("/img.png")},  # the plain-string form
         "Compare them.",
     )
     resp = greedy(client, messages)
-    conv = ask(image_part(JPEG), "and", image_part(PNG), "Compare them.")
+    conv = user(image_part(JPEG), "and", image_part(PNG), "Compare them.")
     grids = hf_oracle.inputs(conv)["image_grid_thw"].tolist()
     assert resp.usage.visual_tokens == [t * h * w // 4 for t, h, w in grids]
     assert resp.choices[0].token_ids == hf_oracle.generate(conv, MAX_NEW)
@@ -169,7 +164,7 @@ def test_detail_sets_the_visual_budget(guarded_server):
     body = {
         "model": "tiny",
         "max_tokens": 2,
-        "messages": ask(
+        "messages": user(
             image_url_part(data_url(big, "image/jpeg"), "low"),
             image_url_part(data_url(big, "image/jpeg"), "high"),
         ),
@@ -184,7 +179,7 @@ def test_detail_sets_the_visual_budget(guarded_server):
 
 
 def test_n2_sampled_choices(client):
-    messages = ask("Tell me a story.")
+    messages = user("Tell me a story.")
     resp = client.chat.completions.create(
         model="tiny", messages=messages, n=2, temperature=1.0, max_tokens=16, seed=7
     )
@@ -207,7 +202,7 @@ def test_seed_reproducibility(client):
         return (
             client.chat.completions.create(
                 model="tiny",
-                messages=ask("Say something."),
+                messages=user("Say something."),
                 temperature=1.0,
                 top_p=0.95,
                 max_tokens=16,
@@ -223,7 +218,7 @@ def test_seed_reproducibility(client):
 
 
 def test_top_k_one_is_greedy(client):
-    messages = ask("Count to five.")
+    messages = user("Count to five.")
     greedy_text = greedy(client, messages).choices[0].message.content
     top1 = client.chat.completions.create(
         model="tiny", messages=messages, temperature=1.0, max_tokens=MAX_NEW, extra_body={"top_k": 1}
@@ -232,7 +227,7 @@ def test_top_k_one_is_greedy(client):
 
 
 def test_stop_strings(client):
-    messages = ask("Write a long sentence about the sea and the wind.")
+    messages = user("Write a long sentence about the sea and the wind.")
     full = greedy(client, messages, max_tokens=24).choices[0].message.content
     stop = full[6:9]
     expected = full[: full.find(stop)]
@@ -251,42 +246,106 @@ def test_stop_strings(client):
     assert text == expected and finish == "stop"
 
 
-def test_cached_tokens_on_repeated_prompt(client, guarded_server):
-    # A unique prompt: only the shared chat-template prefix can be cached the first time.
-    messages = ask(image_url_part(data_url(PNG)), f"Session {uuid.uuid4().hex}: what do you see here?")
+def spanning_stop(tokenizer, text: str, ids: list[int]) -> tuple[str, int]:
+    """A 4-character stop string made of the last 2 characters of one generated token and the first 2 of
+    the next (its first place in ``text``), and how many tokens it takes to complete it."""
+    ends = [len(tokenizer.decode(ids[: k + 1], skip_special_tokens=True)) for k in range(len(ids))]
+    for k in range(1, len(ids) - 1):
+        start, cut, end = ends[k - 1] - 2, ends[k - 1], ends[k]
+        pieces = (tokenizer.decode(ids[k - 1 : k]), tokenizer.decode(ids[k : k + 1]))
+        if start < 1 or end - cut < 2 or pieces != (text[ends[k - 2] if k > 1 else 0 : cut], text[cut:end]):
+            continue  # too early, a short next token, or a character split across tokens
+        stop = text[start : cut + 2]
+        if text.find(stop) == start:
+            return stop, k + 1
+    raise AssertionError(f"no stop string spans two tokens in {text!r}")
+
+
+def test_stop_string_spanning_two_tokens(client, hf_oracle):
+    """The stop string's characters come from two consecutive tokens: the text ends right before it, the
+    ids end with the token that completed it, and no streamed delta ever carried any part of it."""
+    messages = user("Write a long sentence about the sea and the wind.")
+    full = greedy(client, messages, max_tokens=24).choices[0]
+    stop, n = spanning_stop(hf_oracle.processor.tokenizer, full.message.content, full.token_ids)
+    expected = full.message.content[: full.message.content.find(stop)]
+    resp = greedy(client, messages, max_tokens=24, stop=[stop])
+    (c,) = resp.choices
+    assert (c.message.content, c.finish_reason, c.token_ids) == (expected, "stop", full.token_ids[:n])
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0.0, max_tokens=24, stop=[stop], stream=True
+    )
+    text, finish = "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            assert expected.startswith(text), f"{text!r} went past {expected!r}: part of {stop!r} leaked"
+            finish = c.finish_reason or finish
+    assert (text, finish) == (expected, "stop")
+
+
+def fresh_image(seed: int) -> bytes:
+    """An image that only the calling test sends (its own size and seed): nothing of it is cached before."""
+    return make_image(168, 112, 6100 + seed)
+
+
+def before_image(resp, tokenizer) -> int:
+    """How many prompt tokens precede the first image's placeholders (the chat template's system turn)."""
+    return resp.prompt_token_ids.index(tokenizer.convert_tokens_to_ids("<|vision_start|>")) + 1
+
+
+def test_cached_tokens_on_repeated_prompt(client, guarded_server, hf_oracle):
+    messages = user(image_url_part(data_url(fresh_image(1))), "What do you see here?")
+    hits_before = guarded_server.wait_idle()["vlmserve_prefix_cache_hits_total"]
     first = greedy(client, messages)
     second = greedy(client, messages)
     p = first.usage.prompt_tokens
     cached1 = first.usage.prompt_tokens_details.cached_tokens
     cached2 = second.usage.prompt_tokens_details.cached_tokens
-    assert cached2 > cached1
+    assert cached1 <= before_image(first, hf_oracle.processor.tokenizer)  # at most the template before it
     assert cached2 >= p - 16  # all full blocks but the last (16-token blocks)
     assert second.choices[0].token_ids == first.choices[0].token_ids
-    m = guarded_server.metrics()
-    assert m["vlmserve_prefix_cache_hits_total"] > 0
+    m = guarded_server.wait_idle()
+    assert m["vlmserve_prefix_cache_hits_total"] - hits_before >= cached1 + cached2
 
 
-def test_models_health_and_metrics(client, guarded_server):
+LONG_TAIL = "Describe it in detail, please: every colour, every shape and every line that you can see in it."
+COUNTS = {
+    "vlmserve_requests_total{status=ok}": 3,
+    "vlmserve_time_to_first_token_seconds_count": 3,
+    "vlmserve_time_per_output_token_seconds_count": 3,
+    "vlmserve_e2e_request_latency_seconds_count": 3,
+    "vlmserve_generation_tokens_total": 3 * MAX_NEW,
+    # One image in three requests: decoded and encoded once. The second request (other text before the
+    # image, so no prefix hit) found its embedding in the embedding cache's memory tier; the third (the
+    # first again) found all of the image's KV in the prefix cache and needed no embedding at all.
+    "vlmserve_preprocess_images_total": 1,
+    "vlmserve_encoder_images_total": 1,
+    "vlmserve_encoder_batches_total": 1,
+    "vlmserve_encoder_batch_images_count": 1,
+    "vlmserve_embedding_cache_hits_total{tier=memory}": 1,
+}
+
+
+def test_models_health_and_metrics(client, guarded_server, hf_oracle):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert guarded_server.http.get("/health").json() == {"status": "ok"}
+    before = guarded_server.wait_idle()
+    image = image_url_part(data_url(fresh_image(2)))
+    resps = [greedy(client, user(*parts)) for parts in [(image, LONG_TAIL), ("Look: ", image, LONG_TAIL)]]
+    resps.append(greedy(client, user(image, LONG_TAIL)))
     m = guarded_server.wait_idle()
-    for name in (
-        "vlmserve_time_to_first_token_seconds_count",
-        "vlmserve_time_per_output_token_seconds_count",
-        "vlmserve_e2e_request_latency_seconds_count",
-    ):
-        assert m[name] > 0, name
-    assert m["vlmserve_requests_total{status=ok}"] > 0
+    assert {name: m.get(name, 0) - before.get(name, 0) for name in COUNTS} == COUNTS
+    grown = {name: m[name] - before[name] for name in m if name.endswith("_tokens_total")}
+    assert grown["vlmserve_prompt_tokens_total"] == sum(r.usage.prompt_tokens for r in resps)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in resps]
+    assert grown["vlmserve_cached_prompt_tokens_total"] == sum(cached)
+    assert cached[2] > before_image(resps[2], hf_oracle.processor.tokenizer) + max(
+        resps[2].usage.visual_tokens
+    )
+    assert m["vlmserve_prefix_cache_hits_total"] - before["vlmserve_prefix_cache_hits_total"] >= sum(cached)
+    assert 0 < m["vlmserve_prefix_cache_hit_rate"] < 1  # a miss and a hit at least, whatever ran before
     assert m["vlmserve_kv_cache_blocks_total"] == 256
-    assert 0 < m["vlmserve_prefix_cache_hit_rate"] < 1
     assert m["vlmserve_engine_alive"] == 1
     assert m["vlmserve_visual_budget_level"] == 0  # --visual-budget fixed
-    # The embedding cache's own collector: repeated images were served from it.
-    assert m["vlmserve_embedding_cache_hits_total{tier=memory}"] > 0
-    # The vision path's collector: images went through the batched encoder.
-    assert m["vlmserve_encoder_images_total"] > 0 and m["vlmserve_encoder_batches_total"] > 0
-    assert m["vlmserve_encoder_batch_images_count"] > 0
-    # The preprocess pool's counters (copies happen only when the encoder falls behind).
-    assert m["vlmserve_preprocess_images_total"] > 0
-    assert m["vlmserve_preprocess_copied_results_total"] >= 0
+    assert "vlmserve_preprocess_copied_results_total" in m  # copies happen only when the encoder falls behind

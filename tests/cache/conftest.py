@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import socket
 import threading
 import uuid
@@ -18,6 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cache import EmbeddingKey, RedisTier
+from tests.support import free_port, skip_or_fail
 
 # NOTE: only ever 127.0.0.1; db 13 keeps test keys away from anything else using this server.
 REDIS_HOST, REDIS_PORT, REDIS_DB = "127.0.0.1", 6379, 13
@@ -52,11 +52,8 @@ def _require_redis(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("redis") is None:
         return
     problem = redis_problem()
-    if problem is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{problem} (CI is set, so the Redis tests must run)")
-    pytest.skip(f"{problem}; start redis-server on 127.0.0.1:6379 to run this test")
+    if problem is not None:
+        skip_or_fail(f"{problem}; start redis-server on 127.0.0.1:6379 to run this test")
 
 
 def delete_prefix(client: redis.Redis, prefix: str) -> int:
@@ -153,9 +150,7 @@ def same_bits() -> Callable[[torch.Tensor, torch.Tensor], bool]:
 @pytest.fixture
 def refused_port() -> int:
     """A 127.0.0.1 port nothing listens on (connections are refused at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 class BlackHole:

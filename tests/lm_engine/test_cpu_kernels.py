@@ -10,9 +10,12 @@ import torch
 
 from lm_engine.attention import CpuBackend, TorchBackend, cpu_kernels, get_backend
 from lm_engine.attention.torch_backend import paged_decode
+from tests.support import prerequisite
 
 LIB = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel could not be built")
+_kernel_built = prerequisite(
+    None if LIB else "the paged decode kernel did not build (no C compiler, or VLMSERVE_CPU_KERNELS=0)"
+)
 
 
 def _case(seed, lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, spare=5):

@@ -20,8 +20,15 @@ import torch
 
 from lm_engine.attention.base import AttentionMetadata
 from lm_engine.attention.torch_backend import TorchBackend, paged_decode, write_kv
+from tests.support import prerequisite
 
-pytest.importorskip("triton")
+try:
+    import triton  # noqa: F401
+
+    MISSING = None
+except ImportError as exc:
+    MISSING = f"triton is not importable ({exc}); bin/setup installs the [triton] extra"
+_triton_installed = prerequisite(MISSING)
 
 
 def _interpreter_ready() -> bool:

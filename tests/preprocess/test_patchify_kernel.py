@@ -15,9 +15,12 @@ from PIL import Image
 from preprocess import PreprocessConfig
 from preprocess import image as image_mod
 from preprocess.image import _normalize_patchify_numpy, normalize_patchify, resize
+from tests.support import prerequisite
 
 KERNEL = image_mod._patchify_kernel()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel could not be built")
+_kernel_built = prerequisite(
+    None if KERNEL else "the patchify kernel did not build (no C compiler, or VLMSERVE_CPU_KERNELS=0)"
+)
 
 DEFAULT = PreprocessConfig()
 ODD = PreprocessConfig(

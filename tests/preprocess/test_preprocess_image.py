@@ -17,6 +17,7 @@ from PIL import Image
 
 from preprocess import PreprocessConfig, num_visual_tokens, plan_grid, preprocess, probe
 from preprocess import image as image_mod
+from tests.support import skip_or_fail
 
 TOL = 1e-5
 KINDS = (
@@ -82,11 +83,16 @@ def test_torchvision_backend_is_bit_identical(resample, hf_reference):
         assert np.array_equal(ours.patches, pixel_values), (width, height, resample)
 
 
+def test_pillow_simd_fast_path_in_use():
+    """bin/setup installs pillow-simd (the same fixed-point arithmetic as torch's uint8 resize kernels,
+    ~1.7x faster); its resize must pass the exactness check, or the fast path is never taken."""
+    if ".post" not in PIL.__version__:
+        skip_or_fail(f"PIL {PIL.__version__} is plain Pillow, not pillow-simd (bin/setup builds it)")
+    assert image_mod.pil_resize_matches_torchvision()
+
+
 def test_pil_resize_stands_in_for_torchvision_only_where_exact(monkeypatch):
-    """resize() may run PIL's resampler (pillow-simd: the same fixed-point arithmetic as torch's
-    uint8 kernels, ~1.7x faster); it must then give torchvision's exact bytes."""
-    if ".post" in PIL.__version__:  # pillow-simd: the fast path must really be in use here
-        assert image_mod.pil_resize_matches_torchvision()
+    """resize() may run PIL's resampler; it must then give torchvision's exact bytes."""
     rng = np.random.default_rng(5)
     for _ in range(60):
         h, w = rng.integers(1, 300, 2)

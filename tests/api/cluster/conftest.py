@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import socket
 import threading
@@ -14,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -22,6 +21,7 @@ import pytest
 
 from api.cluster.haproxy import AdminSocket, BalancerConfig, HAProxyMissing, find_haproxy
 from api.cluster.launcher import Cluster, ClusterSpec
+from tests.support import QuietHandler, free_port, redis_client, skip_or_fail
 
 # NOTE: loopback only; db 12 is the cluster tests' own, and every key they write starts with REDIS_PREFIX.
 REDIS_URL = "redis://127.0.0.1:6379/12"
@@ -29,44 +29,22 @@ REDIS_PREFIX = f"vlmserve-test-cluster-{uuid.uuid4().hex[:12]}:"
 HOLD = "x-test-hold"  # a stand-in replica keeps such a request open until the test releases it
 
 
-def _require(problem: str | None, what: str) -> None:
-    """Tests that need HAProxy or Redis fail on CI (where bin/setup and .ci/run provide them), skip elsewhere."""
-    if problem is None:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{problem} (CI is set, so the {what} tests must run)")
-    pytest.skip(problem)
-
-
 @pytest.fixture(scope="session")
 def haproxy_bin() -> str:
     try:
         return find_haproxy()
     except HAProxyMissing as exc:
-        _require(str(exc), "cluster")
-        raise
+        skip_or_fail(str(exc))
 
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    import redis
-
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError) as exc:
-        _require(f"Redis on 127.0.0.1:6379 did not answer ({exc!r})", "Redis")
+    client = redis_client(REDIS_URL, timeout_s=2)
     yield REDIS_URL
     keys = list(client.scan_iter(match=f"{REDIS_PREFIX}*", count=500))
     if keys:
         client.delete(*keys)
     client.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- stand-in replicas
@@ -97,23 +75,13 @@ class StubReplica:
     def start(self) -> None:
         owner = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def setup(self) -> None:
                 super().setup()
                 owner._conns.append(self.connection)
 
             def _reply(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("x-vlmserve-replica", owner.name)
-                self.end_headers()
-                self.wfile.write(body)
+                self.send_body(status, body, "application/json", [("x-vlmserve-replica", owner.name)])
 
             def do_GET(self) -> None:
                 self._reply(200, b'{"status": "ok"}')

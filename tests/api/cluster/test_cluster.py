@@ -20,12 +20,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.cluster.haproxy import AdminSocket
-from tests.api.cluster.conftest import REDIS_PREFIX, balancer_log_line, free_port
-from tests.api.conftest import data_url
-from tests.support import make_image
+from tests.api.cluster.conftest import REDIS_PREFIX, balancer_log_line
+from tests.support import data_url, free_port, make_image, parse_metrics, wait_idle
 
 REPO = Path(__file__).resolve().parents[3]
 SERVE_ARGS = [
@@ -169,32 +167,11 @@ def ask_image(image: bytes, question: str, **extra) -> dict:
 
 
 def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
-        for s in family.samples:
-            out[
-                s.name
-                + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
-            ] = s.value
-    return out
+    return parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
 
 
 def requests_seen(url: str) -> float:
     return sum(v for k, v in metrics(url).items() if k.startswith("vlmserve_requests_total"))
-
-
-def wait_idle(url: str, timeout_s: float = 60) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = metrics(url)
-        idle = (
-            m["vlmserve_num_requests_running"] == 0
-            and m["vlmserve_num_requests_waiting"] == 0
-            and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
 
 
 # ---------------------------------------------------------------- answers and routing
@@ -305,7 +282,7 @@ def test_replica_killed_mid_run(healthy):
     print(f"\nkill figure: {json.dumps(figure)}")
     assert down_after[0] < 2.0, figure  # the balancer's own state; checks 500 ms, then 250 ms apart, fall 2
     assert figure["next_20_ok"] == 20
-    m = wait_idle(healthy.replica(survivor)["url"])
+    m = wait_idle(lambda: metrics(healthy.replica(survivor)["url"]), 60, poll_s=0.05)
     assert m["vlmserve_num_requests_running"] == m["vlmserve_num_requests_waiting"] == 0
     assert m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
     # The launcher restarts the victim; HAProxy's checks put it back and its keys return to it.
