@@ -2,6 +2,10 @@
 
 The fake servers speak just enough HTTP/1.1 (one request per connection) to misbehave on purpose: a
 stall that never answers, a stream that stops or breaks midway, bad SSE. Nothing here leaves loopback.
+
+No verdict depends on the machine's pace: timings are checked against lower bounds no machine can beat (a
+chunk cannot arrive before the server sent it), stalls last until the test ends (so only the client's own
+timeout or stop can end a request, which its error kind tells), and WAIT_S bounds a run that would hang.
 """
 
 from __future__ import annotations
@@ -9,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 import pytest
 
 from benchmarks import load
 
 Handler = Callable[[str, str, bytes, asyncio.StreamWriter], Awaitable[None]]
+WAIT_S = 60.0  # a bound on a run that would otherwise hang, far past any machine's pace
+EPS = 1e-3  # timer granularity: an asyncio sleep may end this much early, never more
 
 
 class FakeServer:
@@ -135,7 +141,12 @@ def _small_trace(n: int, **kw) -> tuple[load.Trace, load.ImageStore]:
 
 
 def _run(coro):
-    return asyncio.run(coro)
+    return asyncio.run(asyncio.wait_for(coro, WAIT_S))
+
+
+async def _forever() -> None:
+    """A stall: ends only when the fake server shuts down (cancelled) at the end of the test."""
+    await asyncio.Event().wait()
 
 
 # ---------------------------------------------------------------- (1) a well-behaved server
@@ -155,13 +166,16 @@ def test_timings_and_counts_against_a_streaming_server():
     assert srv.max_active <= 4
     s = load.summarize(res.records, duration_s=res.duration_s)
     assert s["ok"] == 8 and s["failed"] == 0 and s["output_tokens"]["total"] == 160
-    # NOTE: upper bounds leave room for a busy 2-core machine (CPU contention delays wake-ups by ms);
-    # the lower bounds are firm: the role-only first chunk must not count as the first token.
-    assert 48 <= s["ttft_ms"]["p50"] <= 120, s["ttft_ms"]
-    assert 9.5 <= s["tpot_ms"]["p50"] <= 20, s["tpot_ms"]
-    assert 9 <= s["itl_ms"]["p50"] <= 20 and s["itl_ms"]["n"] == 8 * 19
-    # two waves of four requests, each about 50 + 19·10 ms
-    assert 0.48 <= res.duration_s <= 2.0
+    # Each content chunk is stamped when it arrived, never before the server sent it (50 ms, then one per
+    # 10 ms, after the request): in particular the role-only first chunk, sent at once, is not a token.
+    for r in res.records:
+        assert len(r.chunk_times_s) == 20, r.chunk_times_s
+        assert all(t >= 0.05 + 0.01 * k - EPS for k, t in enumerate(r.chunk_times_s)), r.chunk_times_s
+        assert r.e2e_s >= r.chunk_times_s[-1]
+    assert s["ttft_ms"]["p50"] == pytest.approx(1e3 * np.median([r.chunk_times_s[0] for r in res.records]))
+    assert s["tpot_ms"]["n"] == 8 and s["itl_ms"]["n"] == 8 * 19
+    # two waves of four requests, each at least 50 + 19·10 ms
+    assert res.duration_s >= 2 * (0.05 + 19 * 0.01) - EPS
     assert set(s["headers"]) == {"x-vlmserve-visual-level", "x-visual-budget-levels"}  # not x-other
     assert sum(s["headers"]["x-vlmserve-visual-level"].values()) == 8
     assert s["headers"]["x-visual-budget-levels"] == {"0": 8}
@@ -189,7 +203,7 @@ def test_poisson_pacing_follows_the_trace_and_model_discovery():
     assert all(r.ok and r.output_tokens == 3 for r in res.records)
     for rec, req in zip(res.records, trace.requests):
         assert rec.scheduled_s == pytest.approx(req.t_unit / 40.0)
-        assert 0 <= rec.start_s - rec.scheduled_s < 0.1
+        assert rec.start_s >= rec.scheduled_s  # paced: none starts before its time in the trace
     assert all(b["ignore_eos"] is True for b in srv.bodies)
 
 
@@ -227,8 +241,7 @@ def test_500_and_503_are_counted_by_status():
     assert s["errors"]["http 500"]["count"] == 5 and s["errors"]["http 500"]["example"] == "boom"
     e503 = s["errors"]["http 503"]
     assert e503["count"] == 5 and e503["retry_after"] == {"2": 5} and e503["example"] == "overloaded"
-    assert e503["latency_ms"]["max"] < 1000
-    assert res.duration_s < 2
+    assert e503["latency_ms"]["n"] == 5
 
 
 def test_malformed_sse_and_stream_errors_are_reported():
@@ -240,7 +253,7 @@ def test_malformed_sse_and_stream_errors_are_reported():
             writer.write(_event({"error": "CUDA out of memory"}))  # `transformers serve`'s error event
         handler.seen.append(1)
         await writer.drain()
-        await asyncio.sleep(10)  # the client must not wait for the end
+        await _forever()  # the client must not wait for the end (waiting, it would end by its timeout)
 
     handler.seen = []
 
@@ -248,12 +261,10 @@ def test_malformed_sse_and_stream_errors_are_reported():
         async with FakeServer(handler) as srv:
             trace, images = _small_trace(4)
             return await load.run_load(
-                trace, images, _target(srv), load.LoadMode(concurrency=1, request_timeout_s=5)
+                trace, images, _target(srv), load.LoadMode(concurrency=1, request_timeout_s=WAIT_S / 8)
             )
 
-    t = time.perf_counter()
     res = _run(main())
-    assert time.perf_counter() - t < 2
     kinds = sorted(r.error_kind for r in res.records)
     assert kinds == ["malformed", "malformed", "stream_error", "stream_error"]
     assert any(r.error == "CUDA out of memory" for r in res.records)
@@ -264,14 +275,14 @@ def test_malformed_sse_and_stream_errors_are_reported():
 
 def test_stalls_and_broken_streams_end_within_the_timeout():
     async def never(method, path, body, writer):
-        await asyncio.sleep(60)
+        await _forever()
 
     async def stops_midstream(method, path, body, writer):
         await _start_stream(writer)
         for i in range(3):
             writer.write(_event(_delta(f"t{i}")))
         await writer.drain()
-        await asyncio.sleep(60)
+        await _forever()
 
     async def closes_midstream(method, path, body, writer):
         await _start_stream(writer)
@@ -294,22 +305,19 @@ def test_stalls_and_broken_streams_end_within_the_timeout():
             async with FakeServer(handler) as srv:
                 trace, images = _small_trace(4)
                 mode = load.LoadMode(concurrency=4, request_timeout_s=0.4)
-                t = time.perf_counter()
-                res = await load.run_load(trace, images, _target(srv), mode)
-                out[name] = (res, time.perf_counter() - t)
+                out[name] = await load.run_load(trace, images, _target(srv), mode)
         return out
 
-    out = _run(main())
-    for name, (res, wall) in out.items():
+    out = _run(main())  # the stalls never end: only the client's timeout ends these runs within WAIT_S
+    for name, res in out.items():
         assert len(res.records) == 4 and not any(r.ok for r in res.records), name
-        assert wall < 1.5, (name, wall)
-    stalled, stops, closes, ends = (out[k][0].records for k in ("never", "stops", "closes", "ends"))
+    stalled, stops, closes, ends = (out[k].records for k in ("never", "stops", "closes", "ends"))
     assert {r.error_kind for r in stalled} == {"timeout"} and all(r.status is None for r in stalled)
     assert all("no response headers" in r.error for r in stalled)
     assert {r.error_kind for r in stops} == {"timeout"} and all(
         "mid-stream after 3" in r.error for r in stops
     )
-    assert all(0.35 <= r.e2e_s <= 0.8 for r in stalled + stops)
+    assert all(r.e2e_s >= 0.4 - EPS for r in stalled + stops)  # not before the timeout
     assert {r.error_kind for r in closes} == {"incomplete"} and all(len(r.chunk_times_s) == 3 for r in closes)
     assert {r.error_kind for r in ends} == {"incomplete"}
     s = load.summarize(stops)
@@ -317,31 +325,28 @@ def test_stalls_and_broken_streams_end_within_the_timeout():
 
 
 def test_duration_cap_and_stop_event_bound_the_run():
-    async def never(method, path, body, writer):
-        await asyncio.sleep(60)
-
     async def main():
-        async with FakeServer(never) as srv:
+        async with FakeServer(lambda *args: _forever()) as srv:
             trace, images = _small_trace(50)
-            # duration: nothing starts after 0.2 s; in-flight requests end by their 0.3 s timeout
-            t = time.perf_counter()
+            # duration: nothing starts after 0.5 s; in-flight requests end by their 0.3 s timeout
             capped = await load.run_load(
-                trace, images, _target(srv), load.LoadMode(rate=20.0, duration_s=0.2, request_timeout_s=0.3)
+                trace, images, _target(srv), load.LoadMode(rate=20.0, duration_s=0.5, request_timeout_s=0.3)
             )
-            capped_wall = time.perf_counter() - t
-            # stop (what Ctrl-C sets): in-flight requests are cancelled and recorded as such
+            # stop (what Ctrl-C sets): in-flight requests are cancelled and recorded as such (their timeout is
+            # far off, and the server never answers)
             stop = asyncio.Event()
             asyncio.get_running_loop().call_later(0.2, stop.set)
-            t = time.perf_counter()
             stopped = await load.run_load(
-                trace, images, _target(srv), load.LoadMode(concurrency=2, request_timeout_s=30), stop=stop
+                trace, images, _target(srv), load.LoadMode(concurrency=2, request_timeout_s=WAIT_S), stop=stop
             )
-            return capped, capped_wall, stopped, time.perf_counter() - t
+            return trace, capped, stopped
 
-    capped, capped_wall, stopped, stopped_wall = _run(main())
-    assert 1 <= len(capped.records) < 10 and capped_wall < 1.0
-    assert all(r.start_s <= 0.25 and r.error_kind == "timeout" for r in capped.records)
-    assert stopped.interrupted and stopped_wall < 1.0
+    trace, capped, stopped = _run(main())
+    on_time = [i for i, r in enumerate(trace.requests) if r.t_unit / 20.0 <= 0.5]
+    assert 1 <= len(capped.records) <= len(on_time) < len(trace.requests)
+    assert [r.index for r in capped.records] == on_time[: len(capped.records)]  # in order, none after the cap
+    assert all(r.error_kind == "timeout" for r in capped.records)
+    assert stopped.interrupted
     assert len(stopped.records) == 2 and {r.error_kind for r in stopped.records} == {"cancelled"}
     assert load.summarize(stopped.records, planned=stopped.planned)["planned"] == 50
 
@@ -439,8 +444,10 @@ def test_cli_end_to_end_with_sweep_json_and_plots(tmp_path, capsys):
             return await load.amain(load.parse_args(["--base-url", srv.base_url, *argv]))
 
     trace_file = tmp_path / "t.json"
-    argv = ["-n", "6", "--resolutions", "48x32", "--rates", "50,100", "--slo-ttft-ms", "500"]
-    argv += ["--slo-tpot-ms", "100", "--out", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path / "plots")]
+    # SLOs no machine misses against this server: what is checked is that they reach the summary
+    argv = ["-n", "6", "--resolutions", "48x32", "--rates", "50,100"]
+    argv += ["--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]
+    argv += ["--out", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path / "plots")]
     argv += ["--save-trace", str(trace_file), "--warmup", "1", "--progress-s", "0"]
     out = _run(main(argv))
     printed = capsys.readouterr().out

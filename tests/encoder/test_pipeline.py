@@ -34,9 +34,22 @@ def results_of(llm: LLM, jobs: list[EncodeJob], timeout: float = 30.0) -> dict:
 
 
 def test_batched_encoding_equals_one_at_a_time(tiny_ckpt):
-    llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0, encoder_max_wait_ms=200)
+    llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0)
     images = [make_image(w, h, s) for s, (w, h) in enumerate([(56, 56), (224, 168), (333, 517), (640, 480)])]
     jobs = jobs_for(llm, images)
+    # NOTE: the encoder is held until every image is preprocessed and queued, so what it packs does not
+    # depend on how fast preprocessing is (alone, the first batch may hold one image; the rest go together).
+    pipe, queued, all_queued = llm.engine.vision, [], threading.Event()
+    enqueue, encode = pipe._enqueue, pipe.encode
+
+    def counted(job, px):
+        enqueue(job, px)
+        queued.append(job.key)
+        if len(queued) == len(jobs):
+            all_queued.set()
+
+    pipe._enqueue = counted
+    pipe.encode = lambda pixels, grid: (all_queued.wait(60), encode(pixels, grid))[1]
     results = results_of(llm, jobs)
     assert llm.engine.vision.stats.batches < len(images)  # really packed together
     runner = llm.engine.runner
