@@ -11,9 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
 
-ATTENTIONS = ["torch"]
+KERNEL = cpu_kernel.load() is not None
+ATTENTIONS = [
+    "torch",
+    pytest.param("cpu-kernel", marks=pytest.mark.skipif(not KERNEL, reason="no C compiler")),
+]
 # Grids (t, h, w) in patches: square, wide, tall, the smallest, one larger than a 64-row kernel block.
 GRIDS = [(1, 8, 8), (1, 4, 10), (1, 14, 6), (1, 2, 2), (1, 16, 12)]
 
@@ -159,3 +164,16 @@ def test_loader_names_what_is_wrong(hf_and_ckpt, tmp_path):
     (broken / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         build_vision_tower(config, broken, attention="torch")
+
+
+@pytest.mark.skipif(not KERNEL, reason="no C compiler")
+def test_attention_choice_follows_the_environment(tiny_ckpt, monkeypatch):
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    for name in ("cpu-kernel", "torch"):
+        monkeypatch.setenv("VLMSERVE_VISION_ATTENTION", name)
+        assert build_vision_tower(config, tiny_ckpt).attend.name == name
+    monkeypatch.setenv("VLMSERVE_VISION_ATTENTION", "auto")
+    assert build_vision_tower(config, tiny_ckpt).attend.name in ("cpu-kernel", "torch")
+    assert (
+        build_vision_tower(config, tiny_ckpt, attention="torch").attend.name == "torch"
+    )  # the argument wins
