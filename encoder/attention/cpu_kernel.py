@@ -34,6 +34,10 @@ def load() -> ctypes.CDLL | None:
     # qkv, cos, sin, cu_seqlens, num_segments, out, rows, heads, head_dim, dtype, scale, threads
     fn.argtypes = [_PTR] * 4 + [_I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]
     lib.vlm_varlen_attention_isa.restype = ctypes.c_char_p
+    act = lib.vlm_bias_quick_gelu
+    act.restype = ctypes.c_int
+    # x, bias, rows, cols, dtype, threads
+    act.argtypes = [_PTR, _PTR] + [_I64] * 4
     return lib
 
 
@@ -87,3 +91,26 @@ def varlen_attention(
     if rc != 0:
         raise RuntimeError(f"varlen attention kernel failed (code {rc})")
     return out
+
+
+def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """In place: ``x = quick_gelu(x + bias)`` over the last dimension, computed in float32 and rounded once
+    (one pass over memory instead of torch's bias copy, multiply, sigmoid and multiply)."""
+    if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"bias_quick_gelu_: unsupported {x.dtype} {x.device} tensor")
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+        if bias.shape != (x.shape[-1],):
+            raise ValueError(f"bias must be [{x.shape[-1]}]")
+    cols = x.shape[-1]
+    rc = lib.vlm_bias_quick_gelu(
+        x.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        x.numel() // cols,
+        cols,
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"bias_quick_gelu_ kernel failed (code {rc})")
+    return x

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encoder.attention import VarlenAttention, choose_attention
+from encoder.attention import KernelAttention, VarlenAttention, choose_attention
 from encoder.models.weights import read_tensors
 
 
@@ -32,6 +32,10 @@ class VisionTower(nn.Module):
         name, heads, head_dim = self._attention
         w = next(self.parameters())
         self.attend = choose_attention(name, w.device, w.dtype, heads, head_dim)
+        if isinstance(self.attend, KernelAttention):  # the compiled path: its fused elementwise ops too
+            for module in self.modules():
+                if hasattr(module, "use_kernels"):
+                    module.use_kernels(self.attend.lib)
         return self.attend
 
     @torch.no_grad()

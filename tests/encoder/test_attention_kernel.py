@@ -70,3 +70,21 @@ def test_refuses_what_it_cannot_do():
     assert choose_attention("auto", torch.device("cpu"), torch.float32, 2, 72).name == "torch"
     with pytest.raises(ValueError, match="does not apply"):
         choose_attention("cpu-kernel", torch.device("cpu"), torch.float32, 2, 72)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_quick_gelu_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 200, generator=gen) * 6).to(dtype)  # 200: not a multiple of the vector width
+    bias = torch.randn(200, generator=gen).to(dtype)
+    y = (x + bias).float()
+    want = (y * torch.sigmoid(1.702 * y)).to(dtype)
+    got = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # rounded once from float32: at most one bf16 step from the float32 value rounded
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+    same = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), None)
+    torch.testing.assert_close(
+        same.float(), (x.float() * torch.sigmoid(1.702 * x.float())), atol=1e-2, rtol=8e-3
+    )

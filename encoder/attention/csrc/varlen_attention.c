@@ -107,7 +107,7 @@ static inline float vsum_all(vf x) {
     return x[0] + x[1];
 }
 
-/* 2^x for x <= 0: 2^n · p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor polynomial of
+/* 2^x for x <= 127: 2^n · p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor polynomial of
  * e^(f ln 2) (relative error ~1e-7). Inputs below -126 are clamped (2^-126, not 0: callers zero masked
  * lanes themselves). */
 static inline vf exp2_v(vf x) {
@@ -513,6 +513,62 @@ static void dispatch(job_t *j, int64_t threads) {
     while (pool.active > 0) pthread_cond_wait(&pool.done, &pool.lock);
     pool.job = NULL;
     pthread_mutex_unlock(&pool.lock);
+}
+
+/* ---------------------------------------------------------------- the MLP's bias + activation */
+
+typedef struct {
+    job_t base; /* only units / next / unit are used */
+    void *x;
+    const void *bias;
+    int64_t rows, cols, bf16;
+} act_job_t;
+
+#define ACT_ROWS 16
+
+/* x = quick_gelu(x + bias) = y · sigmoid(1.702 y), in float32, rounded once; rows [16u, 16u + 16). */
+static void quick_gelu_unit(job_t *jb, int64_t u) {
+    const act_job_t *j = (const act_job_t *)jb;
+    const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows;
+    float y[VW], b[VW];
+    for (int64_t r = u * ACT_ROWS; r < r1; r++) {
+        for (int64_t c0 = 0; c0 < j->cols; c0 += VW) {
+            const int64_t n = j->cols - c0 < VW ? j->cols - c0 : VW;
+            for (int64_t e = 0; e < n; e++) {
+                const int64_t i = r * j->cols + c0 + e;
+                y[e] = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[i]) : ((const float *)j->x)[i];
+                b[e] = !j->bias ? 0.0f : j->bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[c0 + e])
+                                                 : ((const float *)j->bias)[c0 + e];
+            }
+            const vf v = *(const vf *)y + *(const vf *)b;
+            /* sigmoid(1.702 v) = 1 / (1 + 2^t), t = -1.702 v · log2 e (exp2_v holds for t <= 126) */
+            const vf y1702 = v * 1.702f;
+            vf t = y1702 * -1.4426950408889634f;
+            t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
+            const vf ex = exp2_v(t);
+            const vf out = v / (1.0f + ex);
+            for (int64_t e = 0; e < n; e++) {
+                const int64_t i = r * j->cols + c0 + e;
+                if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(out[e]);
+                else ((float *)j->x)[i] = out[e];
+            }
+        }
+    }
+}
+
+int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (rows < 0 || cols <= 0) return -3;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    act_job_t j;
+    memset(&j, 0, sizeof j);
+    j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
+    j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
+    j.base.unit = quick_gelu_unit;
+    pthread_mutex_lock(&pool.call);
+    dispatch(&j.base, threads);
+    pthread_mutex_unlock(&pool.call);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- entry points */
