@@ -8,10 +8,12 @@ from pathlib import Path
 import torch
 
 from encoder.models.base import VisionTower
+from encoder.models.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from encoder.models.qwen2_vl import Qwen2VisionTower, VisionConfig
 
 _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
 
 
@@ -28,6 +30,7 @@ def family_of(config: dict) -> str:
 
 _TOWERS = {
     "qwen2_vl": (Qwen2VisionTower, VisionConfig),
+    "qwen2_5_vl": (Qwen25VisionTower, Qwen25VisionConfig),
 }
 
 
@@ -56,6 +59,8 @@ def build_vision_tower(
 
 
 __all__ = [
+    "Qwen25VisionConfig",
+    "Qwen25VisionTower",
     "Qwen2VisionTower",
     "VisionConfig",
     "VisionTower",

@@ -14,6 +14,7 @@ from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.weights import iter_checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 @dataclass(slots=True)
@@ -56,8 +57,11 @@ class Qwen2VLConfig:
             raise FileNotFoundError(f"checkpoint {path} has no config.json")
         raw = json.loads(cfg_file.read_text())
         archs = raw.get("architectures") or []
-        if raw.get("model_type") != "qwen2_vl" and "Qwen2VLForConditionalGeneration" not in archs:
-            raise ValueError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL checkpoint")
+        # NOTE: Qwen2.5-VL's decoder and image positions are Qwen2-VL's; only its tower differs (encoder/models).
+        if raw.get("model_type") not in FAMILIES and not set(archs) & set(FAMILIES.values()):
+            raise ValueError(
+                f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL or Qwen2.5-VL checkpoint"
+            )
         text = {**raw, **(raw.get("text_config") or {})}
         rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
         head_dim = text["hidden_size"] // text["num_attention_heads"]
