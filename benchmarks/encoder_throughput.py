@@ -48,15 +48,15 @@ class Result:
     notes: dict = field(default_factory=dict)
 
 
-def ensure_checkpoint(path: Path | None) -> Path:
+def ensure_checkpoint(path: Path | None, family: str) -> Path:
     if path is not None:
         return path
-    path = OUT_DIR / "small-seed0"
+    path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
     if not (path / "model.safetensors").is_file():
         from lm_engine.models.qwen2_vl_make import make_checkpoint
 
-        print(f"generating the small preset into {path} (once)")
-        make_checkpoint(path, preset="small", seed=0)
+        print(f"generating the small {family} preset into {path} (once)")
+        make_checkpoint(path, preset="small", seed=0, family=family)
     return path
 
 
@@ -92,12 +92,26 @@ def machine_rates(dtype: torch.dtype, heads: int, head_dim: int, repeat: int) ->
 
 
 def work(cfg, grids: list[tuple[int, int, int]]) -> dict[str, float]:
-    """FLOPs of the linear layers and of the attention core (q·kᵀ and P·v) for these images."""
+    """FLOPs of the linear layers and of the attention core (q·kᵀ and P·v) for these images; Qwen2.5-VL's
+    window blocks attend within their windows only."""
     e, n = cfg.embed_dim, sum(t * h * w for t, h, w in grids)
     merged, width = n // cfg.spatial_merge_size**2, e * cfg.spatial_merge_size**2
-    per_patch = cfg.patch_dim * e + cfg.depth * (3 * e * e + e * e + 2 * e * cfg.mlp_hidden)
+    mlp = 2 * e * cfg.mlp_hidden if hasattr(cfg, "mlp_hidden") else 3 * e * cfg.intermediate_size
+    per_patch = cfg.patch_dim * e + cfg.depth * (3 * e * e + e * e + mlp)
     linear = 2 * (n * per_patch + merged * (width * width + width * cfg.out_hidden))
-    attention = cfg.depth * sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
+    full = sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
+    if hasattr(cfg, "window_size"):
+        from encoder.models.qwen2_5_vl import window_order
+
+        unit = cfg.spatial_merge_size**2
+        _, lengths = window_order(
+            grids, cfg.spatial_merge_size, cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        )
+        windowed = sum(4 * (n_units * unit) ** 2 * e for n_units in lengths)
+        n_full = len(cfg.fullatt_block_indexes)
+        attention = n_full * full + (cfg.depth - n_full) * windowed
+    else:
+        attention = cfg.depth * full
     return {"linear": float(linear), "attention": float(attention), "patches": n}
 
 
@@ -144,27 +158,36 @@ def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int) ->
 
 
 def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as hf25
+    import transformers.models.qwen2_vl.modeling_qwen2_vl as hf2
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-        Qwen2VisionTransformerPretrainedModel,
-        VisionAttention,
-    )
 
-    from encoder.models import build_vision_tower
+    from encoder.models import build_vision_tower, family_of
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
     config = json.loads((model_dir / "config.json").read_text())
     ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
-    v = {
-        k: val for k, val in config["vision_config"].items() if k in Qwen2VLVisionConfig.__dataclass_fields__
-    }
-    hf_cfg = Qwen2VLVisionConfig(**v)
+    if family_of(config) == "qwen2_5_vl":
+        cfg_cls, model_cls, attn_cls = (
+            Qwen2_5_VLVisionConfig,
+            hf25.Qwen2_5_VisionTransformerPretrainedModel,
+            hf25.Qwen2_5_VLVisionAttention,
+        )
+    else:
+        cfg_cls, model_cls, attn_cls = (
+            Qwen2VLVisionConfig,
+            hf2.Qwen2VisionTransformerPretrainedModel,
+            hf2.VisionAttention,
+        )
+    v = {k: val for k, val in config["vision_config"].items() if k in cfg_cls.__dataclass_fields__}
+    hf_cfg = cfg_cls(**v)
     hf_cfg._attn_implementation = "sdpa"
-    hf = Qwen2VisionTransformerPretrainedModel._from_config(hf_cfg, dtype=dtype).eval()
+    hf = model_cls._from_config(hf_cfg, dtype=dtype).eval()
     state = {k.removeprefix("visual."): t for k, t in read_tensors(model_dir, ("visual.",)).items()}
     hf.load_state_dict(state)
-    return ours, (Attention,), hf, (VisionAttention,)
+    return ours, (Attention,), hf, (attn_cls,)
 
 
 def main() -> None:
@@ -172,23 +195,23 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory (default: the small preset)"
     )
+    ap.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"], help="of the default")
     ap.add_argument("--dtype", default="auto", help="auto (as the engine resolves it), float32 or bfloat16")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "cpu-kernel"])
     ap.add_argument("--quick", action="store_true", help="3 images, 1 repeat")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
-    from encoder.models.qwen2_vl import VisionConfig
     from lm_engine.config import EngineConfig
     from lm_engine.models.qwen2_vl import Qwen2VLConfig
     from preprocess import PreprocessConfig, smart_resize
 
-    model_dir = ensure_checkpoint(args.model)
+    model_dir = ensure_checkpoint(args.model, args.family)
     dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(
         Qwen2VLConfig.from_dir(model_dir).dtype
     )
-    config = json.loads((model_dir / "config.json").read_text())
-    cfg = VisionConfig.from_config(config)
+    ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
+    cfg = ours.cfg
     pp = PreprocessConfig.from_checkpoint(model_dir)
     repeat = 1 if args.quick else args.repeat
     grids = []
@@ -200,7 +223,6 @@ def main() -> None:
     pixels = torch.randn(n, cfg.patch_dim)
     grid = torch.tensor(grids)
     rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat))
-    ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
     with torch.no_grad():
         results = [run_tower("ours", lambda: ours(pixels, grid), ours, ours_attn, n, repeat)]
         results.append(
