@@ -89,8 +89,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from lm_engine.models.qwen2_vl_make import make_checkpoint
 
     t0 = time.perf_counter()
-    path = make_checkpoint(args.out, preset=args.preset, seed=args.seed)
-    print(f"wrote {args.preset} checkpoint to {path} in {time.perf_counter() - t0:.1f}s")
+    path = make_checkpoint(args.out, preset=args.preset, seed=args.seed, family=args.family)
+    print(f"wrote {args.family} {args.preset} checkpoint to {path} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="generate a Qwen2-VL checkpoint with random weights")
+    p = sub.add_parser("make-model", help="generate a Qwen2-VL or Qwen2.5-VL checkpoint with random weights")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingKey
+from encoder.models import build_vision_tower
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
-from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder, VisionTower
+from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.step_inputs import build_step
 
@@ -55,9 +56,7 @@ class ModelRunner:
             self.model = Qwen2VLDecoder(cfg).to(dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
-        self.vision = VisionTower(cfg, dtype).to(self.device)
-        self.vision.load_weights(model_dir)
-        self.vision.eval()
+        self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
         self.num_blocks = self._size_kv_pool(config, max_model_len)

@@ -20,6 +20,8 @@ from lm_engine.models.qwen2_vl import Qwen2VLConfig, mrope_positions
 from lm_engine.sequence import ImageItem
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
 
+_VIDEO_PARTS = ("video", "video_url", "input_video")
+
 
 class InputError(ValueError):
     """The request's messages or media cannot be turned into a prompt (a client error)."""
@@ -136,6 +138,12 @@ def normalize_messages(messages: list[dict]) -> ChatInput:
             elif kind in ("image_url", "image"):
                 images.append(ImageInput(_image_source(part), _image_detail(part)))
                 parts.append({"type": "image"})
+            elif kind in _VIDEO_PARTS:
+                raise InputError(
+                    f"messages[{i}]: video input is not supported (image and text parts only)",
+                    param="messages",
+                    code="unsupported_modality",
+                )
             else:
                 raise InputError(f"messages[{i}]: unsupported content part type {kind!r}", param="messages")
         out.append({"role": msg["role"], "content": parts})

@@ -1,5 +1,5 @@
-"""Qwen2-VL: our ragged, paged-KV decoder, the family's processor rules (grid → placeholders, M-RoPE
-positions) and the vision tower + merger (the transformers module, loaded with the same weights)."""
+"""Qwen2-VL: our ragged, paged-KV decoder and the family's processor rules (grid → placeholders, M-RoPE
+positions). The vision tower + merger is ours too, in ``encoder/models/qwen2_vl.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.weights import iter_checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
 @dataclass(slots=True)
@@ -56,8 +57,11 @@ class Qwen2VLConfig:
             raise FileNotFoundError(f"checkpoint {path} has no config.json")
         raw = json.loads(cfg_file.read_text())
         archs = raw.get("architectures") or []
-        if raw.get("model_type") != "qwen2_vl" and "Qwen2VLForConditionalGeneration" not in archs:
-            raise ValueError(f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL checkpoint")
+        # NOTE: Qwen2.5-VL's decoder and image positions are Qwen2-VL's; only its tower differs (encoder/models).
+        if raw.get("model_type") not in FAMILIES and not set(archs) & set(FAMILIES.values()):
+            raise ValueError(
+                f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL or Qwen2.5-VL checkpoint"
+            )
         text = {**raw, **(raw.get("text_config") or {})}
         rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
         head_dim = text["hidden_size"] // text["num_attention_heads"]
@@ -301,50 +305,3 @@ class Qwen2VLDecoder(nn.Module):
             raise ValueError(
                 f"checkpoint {path} is missing decoder tensors ({len(loaded)}/{expected} loaded)"
             )
-
-
-# -- vision tower ------------------------------------------------------------------------------------------
-class VisionTower(nn.Module):
-    """ViT + 2×2 patch merger (the connector), from transformers' Qwen2-VL module with our loader."""
-
-    def __init__(self, cfg: Qwen2VLConfig, dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-        vcfg = dict(cfg.vision)
-        vcfg.pop("model_type", None)
-        if "in_chans" in vcfg and "in_channels" not in vcfg:
-            vcfg["in_channels"] = vcfg.pop("in_chans")
-        known = (
-            set(Qwen2VLVisionConfig.__dataclass_fields__)
-            if hasattr(Qwen2VLVisionConfig, "__dataclass_fields__")
-            else None
-        )
-        if known:
-            vcfg = {k: v for k, v in vcfg.items() if k in known}
-        vision_config = Qwen2VLVisionConfig(**vcfg)
-        vision_config._attn_implementation = "sdpa"
-        self.model = Qwen2VisionTransformerPretrainedModel._from_config(
-            vision_config, dtype=dtype or cfg.dtype
-        )
-        self.spatial_merge_size = vision_config.spatial_merge_size
-        self.out_dim = vision_config.hidden_size
-
-    @torch.no_grad()
-    def load_weights(self, path: str | Path) -> None:
-        state = {}
-        for name, tensor in iter_checkpoint_tensors(path, prefixes=("visual.", "model.visual.")):
-            state[name.removeprefix("model.").removeprefix("visual.")] = tensor
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(
-                f"vision tower weights in {path}: missing {missing[:4]}, unexpected {unexpected[:4]}"
-            )
-
-    @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Patches of several images ([sum patches, C·T·P·P]) → merged embeddings ([sum tokens, hidden])."""
-        dtype = next(self.model.parameters()).dtype
-        out = self.model(pixel_values.to(dtype), grid_thw=grid_thw)
-        return out.pooler_output

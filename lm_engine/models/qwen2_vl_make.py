@@ -140,9 +140,14 @@ def token_ids(preset: str | Preset) -> dict[str, int]:
     return {tok: first + i for i, tok in enumerate(SPECIAL_TOKENS)}
 
 
-def build_config(preset: str | Preset) -> dict:
-    """config.json in the original (flat, pre-v5) Qwen2-VL layout."""
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def build_config(preset: str | Preset, family: str = "qwen2_vl") -> dict:
+    """config.json in the original (flat, pre-v5) layout of the family's released checkpoints."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
     ids = token_ids(p)
     head_dim = p.hidden_size // p.num_heads
     assert sum(p.mrope_section) * 2 == head_dim, "mrope_section must cover head_dim / 2"
@@ -188,11 +193,41 @@ def build_config(preset: str | Preset) -> dict:
         },
         "rope_scaling": {"type": "mrope", "mrope_section": list(p.mrope_section)},
         "vocab_size": p.vocab_size,
+    } | (_qwen2_5_vl_fields(p) if family == "qwen2_5_vl" else {})
+
+
+def _qwen2_5_vl_fields(p: Preset) -> dict:
+    """Qwen2.5-VL: the tower's own width is ``hidden_size`` there, RMSNorm + gated SiLU MLP, 112-pixel windows
+    (8 patches) with full attention in the last block of each half."""
+    half = max(2, p.vision_depth // 2)
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+        "model_type": "qwen2_5_vl",
+        "vision_config": {
+            "depth": p.vision_depth,
+            "hidden_size": p.vision_embed_dim,
+            "intermediate_size": p.vision_embed_dim * p.vision_mlp_ratio // 2 + 8,
+            "num_heads": p.vision_heads,
+            "in_chans": 3,
+            "in_channels": 3,
+            "out_hidden_size": p.hidden_size,
+            "hidden_act": "silu",
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": list(range(half - 1, p.vision_depth, half)),
+            "tokens_per_second": 2,
+        },
     }
 
 
 def make_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_size_bytes: int | None = None
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    shard_size_bytes: int | None = None,
+    family: str = "qwen2_vl",
 ) -> Path:
     """Write a complete checkpoint directory and return its path (created; our files overwritten).
 
@@ -207,12 +242,12 @@ def make_checkpoint(
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
 
-    config = build_config(p)
+    config = build_config(p, family)
     _write_json(out / "config.json", config)
     _write_weights(out, init_weights(config, seed), shard_size_bytes)
     _write_tokenizer(out, p)
     _write_json(out / "generation_config.json", generation_config(p))
-    _write_json(out / "preprocessor_config.json", preprocessor_config(p))
+    _write_json(out / "preprocessor_config.json", preprocessor_config(p, family))
     _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     return out
 
@@ -227,10 +262,10 @@ def generation_config(p: Preset) -> dict:
     }
 
 
-def preprocessor_config(p: Preset) -> dict:
+def preprocessor_config(p: Preset, family: str = "qwen2_vl") -> dict:
     return {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
+        "processor_class": "Qwen2_5_VLProcessor" if family == "qwen2_5_vl" else "Qwen2VLProcessor",
         "do_convert_rgb": True,
         "do_resize": True,
         "resample": 3,
@@ -253,11 +288,14 @@ def preprocessor_config(p: Preset) -> dict:
 
 
 def _hf_model_on_meta(config: dict) -> torch.nn.Module:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
 
-    cfg = Qwen2VLConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    prefix = "Qwen2_5_VL" if config["model_type"] == "qwen2_5_vl" else "Qwen2VL"
+    config_cls = getattr(transformers, f"{prefix}Config")
+    model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
+    cfg = config_cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     with torch.device("meta"):
-        return Qwen2VLForConditionalGeneration(cfg)
+        return model_cls(cfg)
 
 
 def original_name(v5_name: str) -> str:
@@ -504,8 +542,9 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", default="qwen2_vl", choices=FAMILIES)
     args = ap.parse_args()
-    print(make_checkpoint(args.out_dir, args.preset, args.seed))
+    print(make_checkpoint(args.out_dir, args.preset, args.seed, family=args.family))
 
 
 if __name__ == "__main__":

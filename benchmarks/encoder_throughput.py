@@ -1,0 +1,278 @@
+"""Vision tower throughput: our tower against transformers' tower on the same images, same dtype, one run.
+
+Images of mixed resolution (224² … 2048×1536, resized by the checkpoint's own smart-resize rule) are packed
+into one varlen batch and encoded by
+
+- ``ours``: ``encoder.models.build_vision_tower`` (attention chosen by timing, see ``--attention``);
+- ``hf packed``: transformers' ``Qwen2VisionTransformerPretrainedModel`` (SDPA) on the same packed batch;
+- ``hf single``: the same, one image at a time (its better mode on a CPU: SDPA runs per image either way).
+
+The machine's rates are measured first, in the same process: matmul GFLOP/s in the compute dtype and
+``scaled_dot_product_attention`` GFLOP/s (one 1024-patch image of the tower's heads). Per tower it prints
+patches/s and the achieved GFLOP/s of the linear layers and of the attention core (softmax(q·kᵀ)·v, rotary
+included) separately, timed by module hooks in a second, profiled pass, and their fraction of the matmul
+rate. Pixels are random (the work does not depend on them).
+
+    .venv/bin/python benchmarks/encoder_throughput.py                 # the small preset, ~1-2 min
+    .venv/bin/python benchmarks/encoder_throughput.py --quick         # 3 images, seconds
+    .venv/bin/python benchmarks/encoder_throughput.py --dtype float32 --attention torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+OUT_DIR = Path(__file__).parent / "out"
+RESULTS = Path(__file__).parent / "results" / "encoder_throughput"
+SIZES = [(224, 224), (448, 336), (640, 480), (336, 896), (800, 600), (1024, 768), (1280, 720), (1600, 1200),
+         (1536, 2048), (2048, 1536)]  # fmt: skip
+QUICK_SIZES = [(224, 224), (640, 480), (1024, 768)]
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    patches: int
+    linear_s: float = 0.0
+    attention_s: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+
+def ensure_checkpoint(path: Path | None, family: str) -> Path:
+    if path is not None:
+        return path
+    path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
+    if not (path / "model.safetensors").is_file():
+        from lm_engine.models.qwen2_vl_make import make_checkpoint
+
+        print(f"generating the small {family} preset into {path} (once)")
+        make_checkpoint(path, preset="small", seed=0, family=family)
+    return path
+
+
+def cpu_flags() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    flags = {f for f in out.split() if f in ("avx2", "avx512f", "avx512_bf16") or f.startswith("amx")}
+    return " ".join(sorted(flags)) or "none"
+
+
+def best_time(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def machine_rates(dtype: torch.dtype, heads: int, head_dim: int, repeat: int) -> dict[str, float]:
+    """GFLOP/s of a 2048×1024 · 1024×4096 matmul and of SDPA over 1024 tokens, in ``dtype``."""
+    a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
+    mm = best_time(lambda: a @ b, repeat)
+    q = torch.randn(1, heads, 1024, head_dim).to(dtype)
+    sdpa = best_time(lambda: F.scaled_dot_product_attention(q, q, q), repeat)
+    return {
+        "matmul_gflops": 2 * 2048 * 1024 * 4096 / mm / 1e9,
+        "sdpa_gflops": 4 * 1024 * 1024 * heads * head_dim / sdpa / 1e9,
+    }
+
+
+def work(cfg, grids: list[tuple[int, int, int]]) -> dict[str, float]:
+    """FLOPs of the linear layers and of the attention core (q·kᵀ and P·v) for these images; Qwen2.5-VL's
+    window blocks attend within their windows only."""
+    e, n = cfg.embed_dim, sum(t * h * w for t, h, w in grids)
+    merged, width = n // cfg.spatial_merge_size**2, e * cfg.spatial_merge_size**2
+    mlp = 2 * e * cfg.mlp_hidden if hasattr(cfg, "mlp_hidden") else 3 * e * cfg.intermediate_size
+    per_patch = cfg.patch_dim * e + cfg.depth * (3 * e * e + e * e + mlp)
+    linear = 2 * (n * per_patch + merged * (width * width + width * cfg.out_hidden))
+    full = sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
+    if hasattr(cfg, "window_size"):
+        from encoder.models.qwen2_5_vl import window_order
+
+        unit = cfg.spatial_merge_size**2
+        _, lengths = window_order(
+            grids, cfg.spatial_merge_size, cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        )
+        windowed = sum(4 * (n_units * unit) ** 2 * e for n_units in lengths)
+        n_full = len(cfg.fullatt_block_indexes)
+        attention = n_full * full + (cfg.depth - n_full) * windowed
+    else:
+        attention = cfg.depth * full
+    return {"linear": float(linear), "attention": float(attention), "patches": n}
+
+
+class HookTimer:
+    """Wall time inside Linear/Conv3d modules, and inside attention modules less their own projections."""
+
+    def __init__(self, model: torch.nn.Module, attention_cls: tuple[type, ...]) -> None:
+        self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
+        self.handles = []
+        inside = {id(m) for a in model.modules() if isinstance(a, attention_cls) for m in a.modules()}
+        for mod in model.modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv3d)):
+                self._time(mod, ["linear", "projections"] if id(mod) in inside else ["linear"])
+            elif isinstance(mod, attention_cls):
+                self._time(mod, ["attention"])
+
+    def _time(self, mod: torch.nn.Module, into: list[str]) -> None:
+        start: list[float] = []
+
+        def pre(*_):
+            start.append(time.perf_counter())
+
+        def post(*_):
+            elapsed = time.perf_counter() - start.pop()
+            for key in into:
+                self.times[key] += elapsed
+
+        self.handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+
+    def close(self) -> tuple[float, float]:
+        """(linear seconds, attention-core seconds)."""
+        for h in self.handles:
+            h.remove()
+        t = self.times
+        return t["linear"], t["attention"] - t["projections"]
+
+
+def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int) -> Result:
+    seconds = best_time(fn, repeat)
+    timer = HookTimer(model, attention_cls)
+    fn()
+    linear, attention = timer.close()
+    return Result(name, seconds, patches, linear, attention)
+
+
+def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as hf25
+    import transformers.models.qwen2_vl.modeling_qwen2_vl as hf2
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+    from encoder.models import build_vision_tower, family_of
+    from encoder.models.qwen2_vl import Attention
+    from encoder.models.weights import read_tensors
+
+    config = json.loads((model_dir / "config.json").read_text())
+    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    if family_of(config) == "qwen2_5_vl":
+        cfg_cls, model_cls, attn_cls = (
+            Qwen2_5_VLVisionConfig,
+            hf25.Qwen2_5_VisionTransformerPretrainedModel,
+            hf25.Qwen2_5_VLVisionAttention,
+        )
+    else:
+        cfg_cls, model_cls, attn_cls = (
+            Qwen2VLVisionConfig,
+            hf2.Qwen2VisionTransformerPretrainedModel,
+            hf2.VisionAttention,
+        )
+    v = {k: val for k, val in config["vision_config"].items() if k in cfg_cls.__dataclass_fields__}
+    hf_cfg = cfg_cls(**v)
+    hf_cfg._attn_implementation = "sdpa"
+    hf = model_cls._from_config(hf_cfg, dtype=dtype).eval()
+    state = {k.removeprefix("visual."): t for k, t in read_tensors(model_dir, ("visual.",)).items()}
+    hf.load_state_dict(state)
+    return ours, (Attention,), hf, (attn_cls,)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: the small preset)"
+    )
+    ap.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"], help="of the default")
+    ap.add_argument("--dtype", default="auto", help="auto (as the engine resolves it), float32 or bfloat16")
+    ap.add_argument("--attention", default="auto", choices=["auto", "torch", "cpu-kernel"])
+    ap.add_argument("--quick", action="store_true", help="3 images, 1 repeat")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    from lm_engine.config import EngineConfig
+    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+    from preprocess import PreprocessConfig, smart_resize
+
+    model_dir = ensure_checkpoint(args.model, args.family)
+    dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(
+        Qwen2VLConfig.from_dir(model_dir).dtype
+    )
+    ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
+    cfg = ours.cfg
+    pp = PreprocessConfig.from_checkpoint(model_dir)
+    repeat = 1 if args.quick else args.repeat
+    grids = []
+    for w, h in QUICK_SIZES if args.quick else SIZES:
+        rh, rw = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
+        grids.append((1, rh // pp.patch_size, rw // pp.patch_size))
+    flops = work(cfg, grids)
+    n = int(flops["patches"])
+    pixels = torch.randn(n, cfg.patch_dim)
+    grid = torch.tensor(grids)
+    rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat))
+    with torch.no_grad():
+        results = [run_tower("ours", lambda: ours(pixels, grid), ours, ours_attn, n, repeat)]
+        results.append(
+            run_tower("hf packed", lambda: hf(pixels.to(dtype), grid_thw=grid), hf, hf_attn, n, repeat)
+        )
+        results.append(
+            run_tower("hf single", lambda: _one_by_one(hf, pixels, grids, dtype), hf, hf_attn, n, repeat)
+        )
+    report(args, model_dir, dtype, grids, flops, rates, results, ours.attend.name)
+
+
+def _one_by_one(hf, pixels: torch.Tensor, grids, dtype) -> None:
+    start = 0
+    for t, h, w in grids:
+        hf(pixels[start : start + t * h * w].to(dtype), grid_thw=torch.tensor([[t, h, w]]))
+        start += t * h * w
+
+
+def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], attention: str) -> None:
+    mm = rates["matmul_gflops"]
+    name = str(dtype).removeprefix("torch.")
+    print(f"model {model_dir}  dtype {name}  threads {torch.get_num_threads()}  CPU flags: {cpu_flags()}")
+    print(f"images {len(grids)}  patches {int(flops['patches'])}  our attention: {attention}")
+    print(f"machine: matmul {mm:.0f} GFLOP/s, SDPA {rates['sdpa_gflops']:.0f} GFLOP/s ({name})")
+    print(
+        f"{'tower':10} {'s':>7} {'patches/s':>10} {'linear GF/s':>12} {'attn GF/s':>10} {'attn/mm':>8} {'all GF/s':>9}"
+    )
+    rows = []
+    for r in results:
+        lin = flops["linear"] / r.linear_s / 1e9 if r.linear_s else 0.0
+        att = flops["attention"] / r.attention_s / 1e9 if r.attention_s else 0.0
+        total = (flops["linear"] + flops["attention"]) / r.seconds / 1e9
+        rows.append({**asdict(r), "linear_gflops": lin, "attention_gflops": att, "gflops": total})
+        print(
+            f"{r.name:10} {r.seconds:7.3f} {r.patches / r.seconds:10.0f} {lin:12.0f} {att:10.0f} {att / mm:8.2f} {total:9.0f}"
+        )
+    best_hf = min(results[1:], key=lambda r: r.seconds)
+    speedup = best_hf.seconds / results[0].seconds
+    print(f"ours / best transformers mode ({best_hf.name}): {speedup:.2f}x patches/s; "
+          f"our attention at {rows[0]['attention_gflops'] / mm:.0%} of the matmul rate, "
+          f"whole tower at {rows[0]['gflops'] / mm:.0%}")  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
+    out.write_text(json.dumps({
+        "dtype": name, "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(), "grids": grids, "flops": flops, "rates": rates,
+        "attention": attention, "results": rows, "speedup_vs_best_hf": speedup,
+    }, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Attention over packed varlen patches: each image (or window) attends within its own segment of the batch.
+
+Two implementations of one contract (:class:`VarlenAttention`): plain torch (rotary + SDPA per segment, the
+reference the kernel is tested against, and the CUDA path) and the compiled CPU kernel
+(:mod:`encoder.attention.cpu_kernel`: rotary fused into its packing, tiled, no score matrix materialised).
+:func:`choose_attention` picks one by timing both on this machine, as ``resolve_dtype`` does for the dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+from encoder.attention import cpu_kernel
+
+log = logging.getLogger("vlmserve.encoder")
+
+
+@dataclass(slots=True)
+class Segments:
+    """Where each attention segment starts and ends in the packed batch (``bounds``: cu_seqlens as ints)."""
+
+    bounds: list[int]
+    cu_seqlens: torch.Tensor  # int32 on the CPU, the kernel's copy of ``bounds``
+
+    @classmethod
+    def of_lengths(cls, lengths: list[int]) -> Segments:
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + int(n))
+        return cls(bounds, torch.tensor(bounds, dtype=torch.int32))
+
+    @property
+    def longest(self) -> int:
+        return max((b - a for a, b in zip(self.bounds, self.bounds[1:])), default=0)
+
+
+class VarlenAttention:
+    """Contract: ``qkv`` [N, 3, H, D] (the qkv projection's rows, compute dtype), ``cos``/``sin`` [N, D/2]
+    float32 rotary tables of the axial (h, w) positions, ``segments`` over the N rows. Returns [N, H·D] in
+    the compute dtype: rotary applied to q and k in float32 and rounded to the compute dtype (as transformers
+    does), then softmax(q·kᵀ·scale)·v within each segment, the softmax in float32."""
+
+    name = "base"
+
+    def __call__(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on [N, H, D] in float32, back in x's dtype; ``cos``/``sin`` [N, D/2] cover both halves."""
+    c = torch.cat([cos, cos], dim=-1).unsqueeze(-2)
+    s = torch.cat([sin, sin], dim=-1).unsqueeze(-2)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
+
+
+class TorchAttention(VarlenAttention):
+    name = "torch"
+
+    def __call__(self, qkv, cos, sin, segments, scale):
+        n, _, h, d = qkv.shape
+        q, k, v = qkv.unbind(1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = qkv.new_empty(n, h, d)
+        bounds = segments.bounds
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:
+                seg = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+                out[a:b] = F.scaled_dot_product_attention(*seg, scale=scale)[0].transpose(0, 1)
+        return out.view(n, h * d)
+
+
+class KernelAttention(VarlenAttention):
+    name = "cpu-kernel"
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def __call__(self, qkv, cos, sin, segments, scale):
+        return cpu_kernel.varlen_attention(self.lib, qkv, cos, sin, segments.cu_seqlens, scale)
+
+
+_CHOICE: dict[tuple, str] = {}
+
+
+def choose_attention(
+    name: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
+) -> VarlenAttention:
+    """``torch``, ``cpu-kernel`` or ``auto``: on the CPU the faster of the two on a 1024-patch image of this
+    shape, timed once per process (a few ms); the torch path where the kernel does not apply."""
+    if name not in ("auto", "torch", "cpu-kernel"):
+        raise ValueError(f"vision attention must be auto, torch or cpu-kernel, got {name!r}")
+    lib = cpu_kernel.load() if device.type == "cpu" else None
+    usable = lib is not None and cpu_kernel.supports(dtype, head_dim)
+    if name == "cpu-kernel" and not usable:
+        raise ValueError(
+            f"the CPU attention kernel does not apply here ({device}, {dtype}, head_dim {head_dim})"
+        )
+    if name == "torch" or not usable:
+        return TorchAttention()
+    if name == "cpu-kernel":
+        return KernelAttention(lib)
+    key = (dtype, heads, head_dim)
+    if key not in _CHOICE:
+        _CHOICE[key] = _time_both(lib, dtype, heads, head_dim)
+    return KernelAttention(lib) if _CHOICE[key] == "cpu-kernel" else TorchAttention()
+
+
+def _time_both(lib, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+    gen = torch.Generator().manual_seed(0)
+    n = 1024
+    qkv = torch.randn(n, 3, heads, head_dim, generator=gen).to(dtype)
+    angle = torch.rand(n, head_dim // 2, generator=gen) * 6
+    segments = Segments.of_lengths([n])
+    times = {}
+    for impl in (TorchAttention(), KernelAttention(lib)):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            impl(qkv, angle.cos(), angle.sin(), segments, head_dim**-0.5)
+            best = min(best, time.perf_counter() - t0)
+        times[impl.name] = best
+    pick = min(times, key=times.get)
+    log.info(
+        "vision attention: %s (%s, %d heads × %d: torch %.2f ms, cpu-kernel %.2f ms per 1024-patch image)",
+        pick,
+        str(dtype).removeprefix("torch."),
+        heads,
+        head_dim,
+        times["torch"] * 1e3,
+        times["cpu-kernel"] * 1e3,
+    )
+    return pick

@@ -1,0 +1,116 @@
+"""The compiled CPU varlen attention kernel (``csrc/varlen_attention.c``), loaded with ctypes.
+
+Built on first use by :mod:`preprocess.native` (the system C compiler, ``-march=native``, cached on disk);
+without a compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the tower keeps
+the torch path. Built where the compiler targets AVX512-BF16, bfloat16 inputs run their two products as
+bf16 dot products (``vdpbf16ps``); elsewhere, and for float32, as float32 FMAs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from preprocess.native import load_library
+
+_SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or ``None`` (see :func:`preprocess.native.load_library`)."""
+    lib = load_library(_SOURCE)
+    if lib is None:
+        return None
+    fn = lib.vlm_varlen_attention
+    fn.restype = ctypes.c_int
+    # qkv, cos, sin, cu_seqlens, num_segments, out, rows, heads, head_dim, dtype, scale, threads
+    fn.argtypes = [_PTR] * 4 + [_I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]
+    lib.vlm_varlen_attention_isa.restype = ctypes.c_char_p
+    act = lib.vlm_bias_quick_gelu
+    act.restype = ctypes.c_int
+    # x, bias, rows, cols, dtype, threads
+    act.argtypes = [_PTR, _PTR] + [_I64] * 4
+    return lib
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """Which instructions run the products for bfloat16 inputs (``avx512-bf16`` or ``fp32-fma``)."""
+    return lib.vlm_varlen_attention_isa().decode()
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in _DTYPE_CODES and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+
+def varlen_attention(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """``qkv`` [N, 3, H, D] → [N, H·D]: the :class:`encoder.attention.VarlenAttention` contract."""
+    n, three, h, d = qkv.shape
+    if three != 3 or not supports(qkv.dtype, d) or qkv.device.type != "cpu":
+        raise ValueError(
+            f"varlen attention kernel: unsupported qkv {tuple(qkv.shape)} {qkv.dtype} {qkv.device}"
+        )
+    qkv = qkv.contiguous()
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    if int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must rise from 0 to {n}")
+    if cos is not None:
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        if cos.shape != (n, d // 2) or sin.shape != (n, d // 2):
+            raise ValueError(f"rotary tables must be [{n}, {d // 2}]")
+    out = qkv.new_empty(n, h * d)
+    rc = lib.vlm_varlen_attention(
+        qkv.data_ptr(),
+        cos.data_ptr() if cos is not None else None,
+        sin.data_ptr() if sin is not None else None,
+        cu.data_ptr(),
+        cu.numel() - 1,
+        out.data_ptr(),
+        n,
+        h,
+        d,
+        _DTYPE_CODES[qkv.dtype],
+        scale,
+        max(1, int(num_threads or torch.get_num_threads())),
+    )
+    if rc != 0:
+        raise RuntimeError(f"varlen attention kernel failed (code {rc})")
+    return out
+
+
+def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """In place: ``x = quick_gelu(x + bias)`` over the last dimension, computed in float32 and rounded once
+    (one pass over memory instead of torch's bias copy, multiply, sigmoid and multiply)."""
+    if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"bias_quick_gelu_: unsupported {x.dtype} {x.device} tensor")
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+        if bias.shape != (x.shape[-1],):
+            raise ValueError(f"bias must be [{x.shape[-1]}]")
+    cols = x.shape[-1]
+    rc = lib.vlm_bias_quick_gelu(
+        x.data_ptr(),
+        bias.data_ptr() if bias is not None else None,
+        x.numel() // cols,
+        cols,
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"bias_quick_gelu_ kernel failed (code {rc})")
+    return x

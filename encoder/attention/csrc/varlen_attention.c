@@ -1,0 +1,622 @@
+/* Varlen self-attention for vision towers on the CPU: every segment (an image, or a window of one) of a
+ * packed batch attends within itself; no padding to the longest segment, no score matrix in memory.
+ *
+ * In: qkv [N, 3, H, D] (float32 or bfloat16, the qkv projection's rows), optional rotary tables cos/sin
+ * [N, D/2] float32, cu_seqlens [S + 1] int32. Out: [N, H, D] in the input dtype.
+ *
+ * Two phases over a thread pool. Pack: per (segment, head, 64-row chunk) apply the rotary to q and k in
+ * float32, round to the input dtype (as transformers does) and lay q, k, v out for the products, each
+ * segment padded with zero rows to a multiple of 64. Attend: per (segment, head, 64 query rows) a flash
+ * loop over 64-key blocks — scores of 4 rows × 64 keys in registers, an online softmax in float32 (exp2
+ * of scores pre-multiplied by scale·log2 e), then P·V into a float32 accumulator block.
+ *
+ * Where the compiler targets AVX512-BF16 (-march=native on such a CPU) and the input is bfloat16, both
+ * products are bf16 dot products (vdpbf16ps, float32 accumulation): k is packed in tiles of 16 keys ×
+ * pairs of dims, v in pairs of keys × dims, and P is rounded to bfloat16 as flash attention does. Else
+ * the products are float32 FMAs on GCC vectors (16 lanes with AVX-512, 8 with AVX2).
+ *
+ * Built by encoder/attention/cpu_kernel.py with `cc -O3 -march=native -ffp-contract=fast`; called through
+ * ctypes, which releases the GIL. Returns 0, or a negative code for arguments it refuses.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16DOT 1
+#else
+#define HAVE_BF16DOT 0
+#endif
+
+#if defined(__AVX512F__)
+#define VW 16
+#define IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#else
+#define VW 8
+#define IOTA {0, 1, 2, 3, 4, 5, 6, 7}
+#endif
+
+#define QB 64 /* query rows per unit of work, and the row padding of every segment */
+#define KB 64 /* keys per block */
+#define RT 4  /* query rows per register tile */
+#define MAX_D 256
+#define MAX_THREADS 64
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* ---------------------------------------------------------------- scalars and vectors */
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline vf vsplat(float x) { return (vf){} + x; }
+
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
+
+static inline float vmax_all(vf x) {
+#if VW == 16
+    x = vselect(x > __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7), x,
+                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+#endif
+    vf y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3
+#if VW == 16
+                                   , 12, 13, 14, 15, 8, 9, 10, 11
+#endif
+    );
+    x = vselect(x > y, x, y);
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5
+#if VW == 16
+                                , 10, 11, 8, 9, 14, 15, 12, 13
+#endif
+    );
+    x = vselect(x > y, x, y);
+    return x[0] > x[1] ? x[0] : x[1];
+}
+
+static inline float vsum_all(vf x) {
+#if VW == 16
+    x = x + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+    x = x + __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3
+#if VW == 16
+                                    , 12, 13, 14, 15, 8, 9, 10, 11
+#endif
+    );
+    x = x + __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5
+#if VW == 16
+                                    , 10, 11, 8, 9, 14, 15, 12, 13
+#endif
+    );
+    return x[0] + x[1];
+}
+
+/* 2^x for x <= 127: 2^n · p(f), n = round(x), f in [-1/2, 1/2], p the degree-6 Taylor polynomial of
+ * e^(f ln 2) (relative error ~1e-7). Inputs below -126 are clamped (2^-126, not 0: callers zero masked
+ * lanes themselves). */
+static inline vf exp2_v(vf x) {
+    const vf lo = vsplat(-126.0f);
+    x = vselect(x < lo, lo, x);
+    const vf n = (x + 12582912.0f) - 12582912.0f; /* round to nearest by the 1.5·2^23 trick */
+    const vf f = x - n;
+    vf p = f * 1.5403530393381606e-4f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
+
+/* ---------------------------------------------------------------- the job */
+
+typedef struct job job_t;
+struct job {
+    const void *qkv;
+    const float *cos, *sin;
+    const int32_t *cu;
+    void *out;
+    int64_t segs, heads, d, bf16_in, dot, padded;
+    float scale2; /* scale · log2 e */
+    int64_t *pad;   /* [segs + 1] padded row offset of each segment */
+    int64_t *chunk; /* [segs + 1] prefix count of 64-row chunks */
+    void *qp, *kp, *vp;
+    void (*unit)(job_t *, int64_t);
+    int64_t units;
+    atomic_long next;
+};
+
+/* (segment, head, chunk within the segment) of unit u; units run head-fastest over chunks in order. */
+static inline void locate(const job_t *j, int64_t u, int64_t *s, int64_t *h, int64_t *c) {
+    const int64_t g = u / j->heads;
+    int64_t lo = 0, hi = j->segs; /* the segment whose chunks hold g: chunk[lo] <= g < chunk[lo + 1] */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (j->chunk[mid] <= g) lo = mid;
+        else hi = mid;
+    }
+    *s = lo;
+    *h = u % j->heads;
+    *c = g - j->chunk[lo];
+}
+
+static void load_row(const job_t *j, int64_t row, int64_t which, int64_t h, float *x) {
+    const int64_t off = ((row * 3 + which) * j->heads + h) * j->d;
+    if (j->bf16_in) {
+        const uint16_t *p = (const uint16_t *)j->qkv + off;
+        for (int64_t e = 0; e < j->d; e++) x[e] = bf16_to_f32(p[e]);
+    } else {
+        memcpy(x, (const float *)j->qkv + off, (size_t)j->d * sizeof(float));
+    }
+}
+
+/* Rotary in float32 as transformers' apply_rotary_pos_emb_vision, then rounded to the input dtype. */
+static void rotate(const job_t *j, int64_t row, float *x) {
+    const int64_t half = j->d / 2;
+    const float *c = j->cos + row * half, *s = j->sin + row * half;
+    for (int64_t e = 0; e < half; e++) {
+        const float a = x[e], b = x[e + half];
+        x[e] = a * c[e] + (-b) * s[e];
+        x[e + half] = b * c[e] + a * s[e];
+    }
+}
+
+static void round_bf16(const job_t *j, float *x) {
+    if (!j->bf16_in) return;
+    for (int64_t e = 0; e < j->d; e++) x[e] = bf16_to_f32(f32_to_bf16(x[e]));
+}
+
+static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q, const float *k, const float *v) {
+    const int64_t d = j->d, base = h * j->padded;
+    if (j->dot) {
+        uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
+        const int64_t tile = prow / 16, lane = prow % 16, pair = prow / 2, w = prow % 2;
+        for (int64_t e = 0; e < d; e++) qp[(base + prow) * d + e] = f32_to_bf16(q[e]);
+        for (int64_t e = 0; e < d; e++) kp[(base + tile * 16) * d + (e / 2) * 32 + lane * 2 + e % 2] = f32_to_bf16(k[e]);
+        for (int64_t e = 0; e < d; e++) vp[(base + pair * 2) * d + e * 2 + w] = f32_to_bf16(v[e]);
+    } else {
+        float *qp = j->qp, *kp = j->kp, *vp = j->vp;
+        const int64_t tile = prow / VW, lane = prow % VW;
+        memcpy(qp + (base + prow) * d, q, (size_t)d * sizeof(float));
+        for (int64_t e = 0; e < d; e++) kp[(base + tile * VW) * d + e * VW + lane] = k[e];
+        memcpy(vp + (base + prow) * d, v, (size_t)d * sizeof(float));
+    }
+}
+
+static void pack_unit(job_t *j, int64_t u) {
+    int64_t s, h, c;
+    locate(j, u, &s, &h, &c);
+    const int64_t start = j->cu[s], len = j->cu[s + 1] - start;
+    float q[MAX_D], k[MAX_D], v[MAX_D];
+    for (int64_t i = 0; i < QB; i++) {
+        const int64_t r = c * QB + i;
+        if (r < len) {
+            load_row(j, start + r, 0, h, q);
+            load_row(j, start + r, 1, h, k);
+            load_row(j, start + r, 2, h, v);
+            if (j->cos) {
+                rotate(j, start + r, q);
+                rotate(j, start + r, k);
+                round_bf16(j, q);
+                round_bf16(j, k);
+            }
+        } else {
+            memset(q, 0, sizeof q);
+            memset(k, 0, sizeof k);
+            memset(v, 0, sizeof v);
+        }
+        store_packed(j, h, j->pad[s] + r, q, k, v);
+    }
+}
+
+/* ---------------------------------------------------------------- the products */
+
+#if HAVE_BF16DOT
+static inline __m512i bcast_pair(const uint16_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return _mm512_set1_epi32(w);
+}
+
+/* S[RT][KB] = q[RT rows] · k[64 keys]ᵀ; kt: the block's 4 tiles of [D/2][16 keys][2]. */
+static inline void qk_dot(const uint16_t *q, const uint16_t *kt, int64_t d, float *S) {
+    __m512 a[RT][4];
+    for (int r = 0; r < RT; r++)
+        for (int t = 0; t < 4; t++) a[r][t] = _mm512_setzero_ps();
+    const int64_t ts = 16 * d;
+    for (int64_t dp = 0; dp < d / 2; dp++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + dp * 32);
+        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + ts + dp * 32);
+        const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + 2 * ts + dp * 32);
+        const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kt + 3 * ts + dp * 32);
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const __m512bh b = (__m512bh)bcast_pair(q + r * d + 2 * dp);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, k0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], b, k1);
+            a[r][2] = _mm512_dpbf16_ps(a[r][2], b, k2);
+            a[r][3] = _mm512_dpbf16_ps(a[r][3], b, k3);
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(S + r * KB + t * 16, a[r][t]);
+}
+
+/* O[RT rows][d0 .. d0 + 16·NV) = O · corr + P[RT][KB] · v; vb: the block's [KB/2 pairs][D][2]. */
+static inline __attribute__((always_inline)) void pv_dot(const uint16_t *P, const uint16_t *vb, int64_t d, int64_t d0,
+                                                         const int NV, float *O, const float *corr) {
+    __m512 a[RT][4];
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NV; c++) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(O + r * d + d0 + c * 16), _mm512_set1_ps(corr[r]));
+    for (int64_t jp = 0; jp < KB / 2; jp++) {
+        __m512bh vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vb + jp * 2 * d + (d0 + c * 16) * 2);
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const __m512bh b = (__m512bh)bcast_pair(P + r * KB + 2 * jp);
+            for (int c = 0; c < NV; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], b, vv[c]);
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + r * d + d0 + c * 16, a[r][c]);
+}
+
+static void pv_dot_all(const uint16_t *P, const uint16_t *vb, int64_t d, float *O, const float *corr) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= d; d0 += 64) pv_dot(P, vb, d, d0, 4, O, corr);
+    switch ((d - d0) / 16) {
+    case 3: pv_dot(P, vb, d, d0, 3, O, corr); break;
+    case 2: pv_dot(P, vb, d, d0, 2, O, corr); break;
+    case 1: pv_dot(P, vb, d, d0, 1, O, corr); break;
+    default: break;
+    }
+}
+#endif
+
+/* S[RT][4·VW keys] = q · kᵀ in float32; kt: 4 tiles of [D][VW keys]. */
+static inline void qk_f32(const float *q, const float *kt, int64_t d, float *S) {
+    vf a[RT][4] = {};
+    const int64_t ts = (int64_t)VW * d;
+    for (int64_t e = 0; e < d; e++) {
+        const vf k0 = *(const vf *)(kt + e * VW), k1 = *(const vf *)(kt + ts + e * VW);
+        const vf k2 = *(const vf *)(kt + 2 * ts + e * VW), k3 = *(const vf *)(kt + 3 * ts + e * VW);
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const vf b = vsplat(q[r * d + e]);
+            a[r][0] += b * k0;
+            a[r][1] += b * k1;
+            a[r][2] += b * k2;
+            a[r][3] += b * k3;
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int t = 0; t < 4; t++) *(vf *)(S + r * KB + t * VW) = a[r][t];
+}
+
+static inline __attribute__((always_inline)) void pv_f32(const float *P, const float *vb, int64_t d, int64_t d0,
+                                                         const int NV, float *O, const float *corr) {
+    vf a[RT][4];
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NV; c++) a[r][c] = *(const vf *)(O + r * d + d0 + c * VW) * corr[r];
+    for (int64_t jj = 0; jj < KB; jj++) {
+        vf vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = *(const vf *)(vb + jj * d + d0 + c * VW);
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; r++) {
+            const vf b = vsplat(P[r * KB + jj]);
+            for (int c = 0; c < NV; c++) a[r][c] += b * vv[c];
+        }
+    }
+    for (int r = 0; r < RT; r++)
+        for (int c = 0; c < NV; c++) *(vf *)(O + r * d + d0 + c * VW) = a[r][c];
+}
+
+static void pv_f32_all(const float *P, const float *vb, int64_t d, float *O, const float *corr) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * VW <= d; d0 += 4 * VW) pv_f32(P, vb, d, d0, 4, O, corr);
+    switch ((d - d0) / VW) {
+    case 3: pv_f32(P, vb, d, d0, 3, O, corr); break;
+    case 2: pv_f32(P, vb, d, d0, 2, O, corr); break;
+    case 1: pv_f32(P, vb, d, d0, 1, O, corr); break;
+    default: break;
+    }
+}
+
+/* ---------------------------------------------------------------- the online softmax */
+
+/* One row of S (KB scores, `kv` of them real) → p = 2^(S·scale2 - m) with the running max m and sum l moved
+ * on; returns the factor the row's accumulator is scaled by. */
+static inline float softmax_row(const job_t *j, const float *S, int64_t kv, float *m, float *l, vf *p) {
+    const vi iota = IOTA;
+    vf s[KB / VW];
+    vf mx = vsplat(-INFINITY);
+    for (int i = 0; i < KB / VW; i++) {
+        s[i] = *(const vf *)(S + i * VW) * j->scale2;
+        if (kv < KB) s[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, s[i], vsplat(-INFINITY));
+        mx = vselect(s[i] > mx, s[i], mx);
+    }
+    const float bmax = vmax_all(mx);
+    const float mnew = *m > bmax ? *m : bmax;
+    const float corr = exp2f(*m - mnew);
+    vf sum = {};
+    for (int i = 0; i < KB / VW; i++) {
+        p[i] = exp2_v(s[i] - mnew);
+        if (kv < KB) p[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, p[i], (vf){});
+        sum += p[i];
+    }
+    *l = *l * corr + vsum_all(sum);
+    *m = mnew;
+    return corr;
+}
+
+/* ---------------------------------------------------------------- one unit: 64 query rows of a head */
+
+static void write_rows(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, const float *O, const float *l) {
+    const int64_t d = j->d, stride = j->heads * d;
+    for (int64_t i = 0; i < rows; i++) {
+        const float inv = 1.0f / l[i];
+        const int64_t off = (j->cu[s] + r0 + i) * stride + h * d;
+        if (j->bf16_in) {
+            uint16_t *o = (uint16_t *)j->out + off;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(O[i * d + e] * inv);
+        } else {
+            float *o = (float *)j->out + off;
+            for (int64_t e = 0; e < d; e++) o[e] = O[i * d + e] * inv;
+        }
+    }
+}
+
+static void attend_unit(job_t *j, int64_t u) {
+    int64_t s, h, c;
+    locate(j, u, &s, &h, &c);
+    const int64_t d = j->d, len = j->cu[s + 1] - j->cu[s], r0 = c * QB;
+    const int64_t rows = len - r0 < QB ? len - r0 : QB, groups = (rows + RT - 1) / RT;
+    const int64_t base = h * j->padded + j->pad[s]; /* padded row of the segment's first row */
+    float O[QB * MAX_D] __attribute__((aligned(64)));
+    float S[RT * KB] __attribute__((aligned(64))), P[RT * KB] __attribute__((aligned(64)));
+    uint16_t Pb[RT * KB] __attribute__((aligned(64)));
+    float m[QB], l[QB], corr[RT];
+    memset(O, 0, sizeof(float) * (size_t)(groups * RT * d));
+    for (int64_t i = 0; i < QB; i++) m[i] = -INFINITY, l[i] = 0.0f;
+    for (int64_t k0 = 0; k0 < len; k0 += KB) {
+        const int64_t kv = len - k0 < KB ? len - k0 : KB;
+        for (int64_t g = 0; g < groups; g++) {
+            float *o = O + g * RT * d, *mg = m + g * RT, *lg = l + g * RT;
+#if HAVE_BF16DOT
+            if (j->dot) {
+                const uint16_t *q = (const uint16_t *)j->qp + (base + r0 + g * RT) * d;
+                qk_dot(q, (const uint16_t *)j->kp + (base + k0) * d, d, S);
+                for (int r = 0; r < RT; r++) {
+                    vf p[KB / VW];
+                    corr[r] = softmax_row(j, S + r * KB, kv, mg + r, lg + r, p);
+                    for (int i = 0; i < KB / VW; i++) {
+                        const __m256bh hb = _mm512_cvtneps_pbh((__m512)p[i]); /* round to nearest even */
+                        memcpy(Pb + r * KB + i * VW, &hb, 32);
+                    }
+                }
+                pv_dot_all(Pb, (const uint16_t *)j->vp + (base + k0) * d, d, o, corr);
+                continue;
+            }
+#endif
+            const float *q = (const float *)j->qp + (base + r0 + g * RT) * d;
+            for (int t = 0; t < KB / (4 * VW); t++)
+                qk_f32(q, (const float *)j->kp + (base + k0 + t * 4 * VW) * d, d, S + t * 4 * VW);
+            for (int r = 0; r < RT; r++) corr[r] = softmax_row(j, S + r * KB, kv, mg + r, lg + r, (vf *)(P + r * KB));
+            pv_f32_all(P, (const float *)j->vp + (base + k0) * d, d, o, corr);
+        }
+    }
+    (void)Pb;
+    write_rows(j, s, h, r0, rows, O, l);
+}
+
+/* ---------------------------------------------------------------- the pool */
+
+static void work(job_t *j) {
+    for (;;) {
+        const int64_t u = atomic_fetch_add(&j->next, 1);
+        if (u >= j->units) break;
+        j->unit(j, u);
+    }
+}
+
+/* A persistent pool: threads are created once and sleep on a condition variable between calls (no
+ * spinning, so they take nothing from torch's own threads in between). One call at a time uses it. */
+static struct {
+    pthread_mutex_t call, lock;
+    pthread_cond_t start, done;
+    int64_t threads, active;
+    uint64_t generation;
+    job_t *job;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL};
+
+static void *pool_thread(void *arg) {
+    uint64_t seen = (uint64_t)(uintptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
+        seen = pool.generation;
+        job_t *j = pool.job;
+        pthread_mutex_unlock(&pool.lock);
+        if (j) work(j);
+        pthread_mutex_lock(&pool.lock);
+        if (--pool.active == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* After fork() only the calling thread exists: the child starts with an empty pool. */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.threads = pool.active = 0;
+    pool.job = NULL;
+}
+
+static void pool_grow(int64_t want) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        registered = 1;
+    }
+    while (pool.threads < want) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_mutex_lock(&pool.lock);
+        const uint64_t gen = pool.generation;
+        pthread_mutex_unlock(&pool.lock);
+        const int rc = pthread_create(&t, &attr, pool_thread, (void *)(uintptr_t)gen);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.threads++;
+    }
+}
+
+/* Runs every unit of j on the caller and up to threads - 1 pool threads; the caller holds pool.call. */
+static void dispatch(job_t *j, int64_t threads) {
+    atomic_store(&j->next, 0);
+    if (threads > j->units) threads = j->units;
+    if (threads <= 1) {
+        work(j);
+        return;
+    }
+    pool_grow(threads - 1);
+    pthread_mutex_lock(&pool.lock);
+    pool.job = j;
+    pool.active = pool.threads;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.start);
+    pthread_mutex_unlock(&pool.lock);
+    work(j); /* the caller works too; pool threads beyond threads - 1 find no units left */
+    pthread_mutex_lock(&pool.lock);
+    while (pool.active > 0) pthread_cond_wait(&pool.done, &pool.lock);
+    pool.job = NULL;
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* ---------------------------------------------------------------- the MLP's bias + activation */
+
+typedef struct {
+    job_t base; /* only units / next / unit are used */
+    void *x;
+    const void *bias;
+    int64_t rows, cols, bf16;
+} act_job_t;
+
+#define ACT_ROWS 16
+
+/* x = quick_gelu(x + bias) = y · sigmoid(1.702 y), in float32, rounded once; rows [16u, 16u + 16). */
+static void quick_gelu_unit(job_t *jb, int64_t u) {
+    const act_job_t *j = (const act_job_t *)jb;
+    const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows;
+    float y[VW], b[VW];
+    for (int64_t r = u * ACT_ROWS; r < r1; r++) {
+        for (int64_t c0 = 0; c0 < j->cols; c0 += VW) {
+            const int64_t n = j->cols - c0 < VW ? j->cols - c0 : VW;
+            for (int64_t e = 0; e < n; e++) {
+                const int64_t i = r * j->cols + c0 + e;
+                y[e] = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[i]) : ((const float *)j->x)[i];
+                b[e] = !j->bias ? 0.0f : j->bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[c0 + e])
+                                                 : ((const float *)j->bias)[c0 + e];
+            }
+            const vf v = *(const vf *)y + *(const vf *)b;
+            /* sigmoid(1.702 v) = 1 / (1 + 2^t), t = -1.702 v · log2 e (exp2_v holds for t <= 126) */
+            const vf y1702 = v * 1.702f;
+            vf t = y1702 * -1.4426950408889634f;
+            t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
+            const vf ex = exp2_v(t);
+            const vf out = v / (1.0f + ex);
+            for (int64_t e = 0; e < n; e++) {
+                const int64_t i = r * j->cols + c0 + e;
+                if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(out[e]);
+                else ((float *)j->x)[i] = out[e];
+            }
+        }
+    }
+}
+
+int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (rows < 0 || cols <= 0) return -3;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    act_job_t j;
+    memset(&j, 0, sizeof j);
+    j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
+    j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
+    j.base.unit = quick_gelu_unit;
+    pthread_mutex_lock(&pool.call);
+    dispatch(&j.base, threads);
+    pthread_mutex_unlock(&pool.call);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+const char *vlm_varlen_attention_isa(void) { return HAVE_BF16DOT ? "avx512-bf16" : "fp32-fma"; }
+
+static int plan(job_t *j, int64_t n) {
+    j->pad = malloc(sizeof(int64_t) * (size_t)(2 * (j->segs + 1)));
+    if (!j->pad) return -4;
+    j->chunk = j->pad + j->segs + 1;
+    j->pad[0] = j->chunk[0] = 0;
+    for (int64_t s = 0; s < j->segs; s++) {
+        const int64_t len = (int64_t)j->cu[s + 1] - j->cu[s];
+        if (len < 0 || j->cu[s + 1] > n) return -5;
+        const int64_t chunks = (len + QB - 1) / QB;
+        j->pad[s + 1] = j->pad[s] + chunks * QB;
+        j->chunk[s + 1] = j->chunk[s] + chunks;
+    }
+    j->padded = j->pad[j->segs];
+    const size_t bytes = (size_t)(j->heads * j->padded * j->d) * (j->dot ? 2 : 4) + 64;
+    j->qp = aligned_alloc(64, bytes);
+    j->kp = aligned_alloc(64, bytes);
+    j->vp = aligned_alloc(64, bytes);
+    return j->qp && j->kp && j->vp ? 0 : -4;
+}
+
+int vlm_varlen_attention(const void *qkv, const float *cos, const float *sin, const int32_t *cu, int64_t segs,
+                         void *out, int64_t n, int64_t heads, int64_t d, int64_t dtype, float scale, int64_t threads) {
+    if (d <= 0 || d % 16 || d > MAX_D) return -1;
+    if (dtype != 0 && dtype != 1) return -2;
+    if (segs < 0 || heads <= 0 || n < 0 || (cos == NULL) != (sin == NULL)) return -3;
+    if (segs == 0 || n == 0) return 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    job_t j = {qkv, cos, sin, cu, out, segs, heads, d, dtype == 1, HAVE_BF16DOT && dtype == 1, 0,
+               scale * 1.4426950408889634f, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
+    int rc = plan(&j, n);
+    if (rc == 0) {
+        pthread_mutex_lock(&pool.call);
+        j.units = j.chunk[segs] * heads;
+        j.unit = pack_unit;
+        dispatch(&j, threads);
+        j.unit = attend_unit;
+        dispatch(&j, threads);
+        pthread_mutex_unlock(&pool.call);
+    }
+    free(j.qp);
+    free(j.kp);
+    free(j.vp);
+    free(j.pad);
+    return rc;
+}

@@ -1,0 +1,69 @@
+"""Vision towers + mergers of the supported families, by the checkpoint's ``model_type``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from encoder.models.base import VisionTower
+from encoder.models.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
+from encoder.models.qwen2_vl import Qwen2VisionTower, VisionConfig
+
+_ARCHITECTURES = {
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
+
+
+def family_of(config: dict) -> str:
+    """The checkpoint's family (``model_type``, or what its architecture names)."""
+    model_type = config.get("model_type")
+    if model_type in _TOWERS:
+        return model_type
+    for arch in config.get("architectures") or []:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    raise ValueError(f"no vision tower for model_type {model_type!r}; supported: {sorted(_TOWERS)}")
+
+
+_TOWERS = {
+    "qwen2_vl": (Qwen2VisionTower, VisionConfig),
+    "qwen2_5_vl": (Qwen25VisionTower, Qwen25VisionConfig),
+}
+
+
+def build_vision_tower(
+    config: dict,
+    checkpoint: str | Path | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attention: str | None = None,
+) -> VisionTower:
+    """The tower of the family ``config`` (a config.json's content) names, in ``dtype`` on ``device``, with
+    the checkpoint's weights when ``checkpoint`` is given, and its attention chosen: ``attention``, else
+    ``$VLMSERVE_VISION_ATTENTION``, else ``auto`` (the faster on this machine, timed)."""
+    attention = attention or os.environ.get("VLMSERVE_VISION_ATTENTION") or "auto"
+    tower_cls, config_cls = _TOWERS[family_of(config)]
+    device = torch.device(device)
+    with torch.device(device):
+        tower = tower_cls(config_cls.from_config(config), attention=attention)
+    tower.to(dtype)
+    if checkpoint is not None:
+        tower.load_weights(checkpoint)
+    tower.eval()
+    tower.select_attention()
+    return tower
+
+
+__all__ = [
+    "Qwen25VisionConfig",
+    "Qwen25VisionTower",
+    "Qwen2VisionTower",
+    "VisionConfig",
+    "VisionTower",
+    "build_vision_tower",
+    "family_of",
+]

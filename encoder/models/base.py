@@ -1,0 +1,59 @@
+"""What every vision tower shares: its attention choice and its weight loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from encoder.attention import KernelAttention, VarlenAttention, choose_attention
+from encoder.models.weights import read_tensors
+
+
+class VisionTower(nn.Module):
+    """Contract: ``forward(pixel_values [Σ patches, C·T·P·P], grid_thw [images, 3])`` → the merged rows of
+    every image, in order ([Σ patches / merge², out_dim], the tower's dtype); an image's rows do not depend
+    on the other images in the batch. Parameter names are the checkpoint's with ``visual.`` stripped."""
+
+    prefixes = ("visual.", "model.visual.")
+
+    def __init__(self, num_heads: int, head_dim: int, attention: str = "auto") -> None:
+        super().__init__()
+        self._attention = (attention, num_heads, head_dim)
+        self.attend: VarlenAttention | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def select_attention(self) -> VarlenAttention:
+        """The attention implementation for the tower's device and dtype (timed once, see choose_attention)."""
+        name, heads, head_dim = self._attention
+        w = next(self.parameters())
+        self.attend = choose_attention(name, w.device, w.dtype, heads, head_dim)
+        if isinstance(self.attend, KernelAttention):  # the compiled path: its fused elementwise ops too
+            for module in self.modules():
+                if hasattr(module, "use_kernels"):
+                    module.use_kernels(self.attend.lib)
+        return self.attend
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path) -> None:
+        """Copy the checkpoint's ``visual.*`` tensors in (every parameter must be found, nothing left over)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in read_tensors(path, self.prefixes).items():
+            key = name.removeprefix("model.").removeprefix("visual.")
+            if key not in params:
+                raise ValueError(f"unexpected vision tensor {name!r} in checkpoint {path}")
+            param = params[key]
+            if tensor.numel() != param.numel():
+                raise ValueError(
+                    f"vision tensor {name!r} in {path}: shape {tuple(tensor.shape)}, want {tuple(param.shape)}"
+                )
+            param.copy_(tensor.reshape(param.shape))
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint {path} is missing vision tensors: {missing[:4]}")

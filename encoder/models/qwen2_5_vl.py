@@ -1,0 +1,169 @@
+"""The Qwen2.5-VL vision tower and merger, ours: Qwen2-VL's patch embedding, rotary and attention, with
+RMSNorm, a gated SiLU MLP, and window attention — patches reordered so that each window (window_size
+pixels square, in merge units) is a contiguous segment, full attention over whole images only at
+``fullatt_block_indexes``, and the merged rows put back in the image's order at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from encoder.attention import Segments, VarlenAttention
+from encoder.models.base import VisionTower
+from encoder.models.qwen2_vl import (
+    ACTIVATIONS,
+    Attention,
+    PatchEmbed,
+    PatchMerger,
+    VisionBatch,
+    grids_of,
+    patch_positions,
+    rotary_tables,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Qwen25VisionConfig:
+    depth: int
+    embed_dim: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden: int
+    hidden_act: str
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    window_size: int
+    fullatt_block_indexes: tuple[int, ...]
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @classmethod
+    def from_config(cls, config: dict) -> Qwen25VisionConfig:
+        """From a Qwen2.5-VL config.json (``vision_config.hidden_size`` is the tower's own width there)."""
+        v = config.get("vision_config") or {}
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            depth=int(v.get("depth", 32)),
+            embed_dim=int(v.get("hidden_size", 1280)),
+            num_heads=int(v.get("num_heads", 16)),
+            intermediate_size=int(v.get("intermediate_size", 3420)),
+            out_hidden=int(v.get("out_hidden_size", 3584)),
+            hidden_act=str(v.get("hidden_act", "silu")),
+            in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+            patch_size=int(v.get("patch_size", 14)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            window_size=int(v.get("window_size", 112)),
+            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            rope_theta=float(rope.get("rope_theta", v.get("rope_theta", 10000.0))),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden)
+        self.up_proj = nn.Linear(dim, hidden)
+        self.down_proj = nn.Linear(hidden, dim)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Qwen25VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.embed_dim)
+        self.norm2 = RMSNorm(cfg.embed_dim)
+        self.attn = Attention(cfg.embed_dim, cfg.num_heads)
+        self.mlp = GatedMlp(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, batch: VisionBatch, attend: VarlenAttention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), batch, attend)
+        return x + self.mlp(self.norm2(x))
+
+
+def window_order(
+    grid_thw: list[tuple[int, int, int]], merge: int, window: int
+) -> tuple[torch.Tensor, list[int]]:
+    """The merge units (merge×merge patch blocks) of all images reordered window by window, and each window's
+    length in units. A window is ``window`` units square (fewer at the right and bottom edges), windows in
+    row-major order per frame, units row-major within a window."""
+    order, lengths, base = [], [], 0
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        units = torch.arange(t * gh * gw).view(t, gh, gw) + base
+        for frame in units:
+            for top in range(0, gh, window):
+                for left in range(0, gw, window):
+                    win = frame[top : top + window, left : left + window].reshape(-1)
+                    order.append(win)
+                    lengths.append(win.numel())
+        base += t * gh * gw
+    return torch.cat(order), lengths
+
+
+class Qwen25VisionTower(VisionTower):
+    """Patches of several images + their grids → merged rows, in the images' own order."""
+
+    def __init__(self, cfg: Qwen25VisionConfig, attention: str = "auto") -> None:
+        super().__init__(cfg.num_heads, cfg.head_dim, attention)
+        self.cfg = cfg
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.out_dim = cfg.out_hidden
+        self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg.embed_dim, cfg.out_hidden, cfg.spatial_merge_size, norm=RMSNorm)
+
+    def metadata(
+        self, grid_thw: list[tuple[int, int, int]], device: torch.device
+    ) -> tuple[VisionBatch, VisionBatch, torch.Tensor]:
+        """(full-attention batch, window batch, unit order); both batches hold the window-ordered rows."""
+        cfg, unit = self.cfg, self.cfg.spatial_merge_size**2
+        units, windows = window_order(
+            grid_thw, cfg.spatial_merge_size, cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        )
+        rows = (units.view(-1, 1) * unit + torch.arange(unit)).view(-1)
+        cos, sin = rotary_tables(
+            patch_positions(grid_thw, cfg.spatial_merge_size)[rows], cfg.head_dim, cfg.rope_theta
+        )
+        cos, sin = cos.to(device), sin.to(device)
+        full = Segments.of_lengths([h * w for t, h, w in grid_thw for _ in range(t)])
+        windowed = Segments.of_lengths([n * unit for n in windows])
+        return VisionBatch(full, cos, sin), VisionBatch(windowed, cos, sin), units
+
+    @torch.no_grad()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        attend = self.attend or self.select_attention()
+        full, windowed, units = self.metadata(grids_of(grid_thw), pixel_values.device)
+        unit = self.cfg.spatial_merge_size**2
+        x = self.patch_embed(pixel_values.to(self.dtype))
+        x = x.view(-1, unit, x.shape[-1])[units.to(x.device)].view(-1, x.shape[-1])
+        for i, block in enumerate(self.blocks):
+            x = block(x, full if i in self.cfg.fullatt_block_indexes else windowed, attend)
+        merged = self.merger(x)
+        return merged[torch.argsort(units).to(merged.device)]

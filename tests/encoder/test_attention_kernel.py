@@ -1,0 +1,90 @@
+"""The compiled varlen attention kernel against the plain-torch path (rotary + SDPA per segment)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from encoder.attention import KernelAttention, Segments, TorchAttention, choose_attention, cpu_kernel
+
+LIB = cpu_kernel.load()
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel could not be built")
+
+# Segment lengths around the kernel's 64-row blocks and 4-row tiles, one-patch segments, empty ones.
+LENGTHS = [[1], [63, 64, 65], [200, 1, 130, 4], [0, 7, 0, 300]]
+SHAPES = [(2, 16), (3, 64), (2, 80), (1, 128)]  # (heads, head_dim): tiny, small, Qwen2-VL's, wide
+
+
+def case(lengths: list[int], heads: int, d: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    qkv = torch.randn(n, 3, heads, d, generator=gen)
+    qkv[:, 0] *= 3  # sharp softmax: the running max moves from block to block
+    angle = torch.rand(n, d // 2, generator=gen) * 20
+    return qkv.to(dtype), angle.cos(), angle.sin(), Segments.of_lengths(lengths)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("heads,d", SHAPES, ids=str)
+def test_float32_matches_torch(lengths, heads, d):
+    qkv, cos, sin, seg = case(lengths, heads, d, torch.float32, seed=sum(lengths) + d)
+    want = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
+    got = KernelAttention(LIB)(qkv, cos, sin, seg, d**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (sum(lengths), heads * d)
+    torch.testing.assert_close(got, want, atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS[1:], ids=str)
+@pytest.mark.parametrize("heads,d", SHAPES[1:3], ids=str)
+def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lengths, heads, d):
+    """bf16 in, bf16 out: the kernel's error against float32 attention on the same (bf16) inputs stays
+    within what torch's own bf16 path makes (rounding of q/k after the rotary, of P and of the output)."""
+    qkv, cos, sin, seg = case(lengths, heads, d, torch.bfloat16, seed=sum(lengths) * 7 + d)
+    exact = TorchAttention()(qkv.float(), cos, sin, seg, d**-0.5)
+    torch_bf16 = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
+    got = KernelAttention(LIB)(qkv, cos, sin, seg, d**-0.5)
+    assert got.dtype == torch.bfloat16
+    ours = (got.float() - exact).abs().max().item()
+    theirs = (torch_bf16.float() - exact).abs().max().item()
+    assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+    torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=3e-2)
+
+
+def test_threads_do_not_change_the_result():
+    qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 64, torch.float32, seed=5)
+    outs = [
+        cpu_kernel.varlen_attention(LIB, qkv, cos, sin, seg.cu_seqlens, 0.125, num_threads=t)
+        for t in (1, 2, 3)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_refuses_what_it_cannot_do():
+    qkv, cos, sin, seg = case([10, 20], 2, 64, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cpu_kernel.varlen_attention(LIB, qkv, cos, sin, torch.tensor([0, 10, 25], dtype=torch.int32), 0.1)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_kernel.varlen_attention(LIB, qkv[..., :40], cos[:, :20], sin[:, :20], seg.cu_seqlens, 0.1)
+    assert not cpu_kernel.supports(torch.float16, 64) and not cpu_kernel.supports(torch.float32, 72)
+    # Where the kernel does not apply, auto falls back to torch and asking for the kernel is an error.
+    assert choose_attention("auto", torch.device("cpu"), torch.float32, 2, 72).name == "torch"
+    with pytest.raises(ValueError, match="does not apply"):
+        choose_attention("cpu-kernel", torch.device("cpu"), torch.float32, 2, 72)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_quick_gelu_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 200, generator=gen) * 6).to(dtype)  # 200: not a multiple of the vector width
+    bias = torch.randn(200, generator=gen).to(dtype)
+    y = (x + bias).float()
+    want = (y * torch.sigmoid(1.702 * y)).to(dtype)
+    got = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), bias)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # rounded once from float32: at most one bf16 step from the float32 value rounded
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+    same = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), None)
+    torch.testing.assert_close(
+        same.float(), (x.float() * torch.sigmoid(1.702 * x.float())), atol=1e-2, rtol=8e-3
+    )

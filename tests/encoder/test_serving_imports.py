@@ -1,0 +1,52 @@
+"""At serve time the vision tower is ours: a fresh process that builds the server and answers an image request
+has imported no transformers modeling module (transformers' towers would cap our speed at its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SERVE_ONE_REQUEST = r"""
+import base64, json, re, sys
+from fastapi.testclient import TestClient
+from api.config import ServerArgs
+from api.server import create_app
+from lm_engine.config import EngineConfig
+from tests.support import make_image
+
+args = ServerArgs(engine=EngineConfig(model=sys.argv[1], num_kv_blocks=64))
+url = "data:image/png;base64," + base64.b64encode(make_image(120, 90, 1)).decode()
+body = {
+    "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}],
+    "max_tokens": 4, "temperature": 0,
+}
+with TestClient(create_app(args)) as client:
+    resp = client.post("/v1/chat/completions", json=body)
+    metrics = client.get("/metrics").text
+patches = [float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("vlmserve_encoder_patches")]
+modeling = sorted(m for m in sys.modules if re.fullmatch(r"transformers\.models\.[^.]+\.modeling_[^.]+", m))
+print(json.dumps({"status": resp.status_code, "body": resp.text, "patches": patches, "modeling": modeling}))
+"""
+
+
+def test_serving_imports_no_transformers_modeling_module(tiny_ckpt):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_ONE_REQUEST, str(tiny_ckpt)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["status"] == 200, report["body"]
+    assert report["patches"] and report["patches"][0] > 0  # the image really went through the tower
+    assert report["modeling"] == []
