@@ -56,6 +56,12 @@ class EngineStats:
     visual_level: int = 0  # the visual budget level new detail=auto images get (0 = full resolution)
     overloaded: bool = False  # admission control refuses new work (the lowest level cannot keep the SLO)
     expected_wait_s: float = 0.0  # of the queued prefill work at the measured throughput (0: not measured)
+    # What the engine holds: per request (0 when idle) and by design (bounded by the pool / the flags).
+    requests_tracked: int = 0
+    encoded_images: int = 0  # image embeddings held for live requests
+    encoded_image_bytes: int = 0
+    prefix_index_entries: int = 0  # KV blocks the prefix cache indexes (at most total_blocks)
+    kv_cache_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -141,7 +147,9 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.stats = EngineStats(total_blocks=engine.block_manager.num_blocks)
+        self.stats = EngineStats(
+            total_blocks=engine.block_manager.num_blocks, kv_cache_bytes=engine.kv_cache_bytes
+        )
         self.error: BaseException | None = None
         self._cv = threading.Condition()
         self._commands: list[_Add | _Abort] = []
@@ -340,4 +348,9 @@ class AsyncEngine:
             visual_level=self.engine.load.visual_budget.level_for("auto"),
             overloaded=self.engine.admission.state.overloaded,
             expected_wait_s=self.engine.admission.state.expected_wait_s or 0.0,
+            requests_tracked=len(self.engine.requests),
+            encoded_images=len(ready := self.engine.images.ready),
+            encoded_image_bytes=sum(t.nbytes for t in ready.values()),
+            prefix_index_entries=len(bm.index),
+            kv_cache_bytes=self.engine.kv_cache_bytes,
         )

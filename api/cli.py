@@ -271,6 +271,9 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
+    from lm_engine.memory import bound_native_caches
+
+    bound_native_caches()  # NOTE: before the engine runs its first matmul
 
     model, names = _default_model(args)
     server_args = ServerArgs(
@@ -301,6 +304,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     """OpenAI batch file in, batch output out, on the engine in this process (see api/batch.py)."""
     from api.batch import BatchOptions, run_batch
     from lm_engine.engine import LLMEngine
+    from lm_engine.memory import bound_native_caches
+
+    bound_native_caches()
 
     if not os.path.isfile(args.input):
         print(f"vlmserve batch: no such input file: {args.input}", file=sys.stderr)

@@ -112,5 +112,9 @@ def install_error_handlers(app: FastAPI, on_error=None) -> None:
             on_error(request, err.status)
         return err.response()
 
-    for kind in (APIError, InputError, RequestValidationError, StarletteHTTPException, Exception):
+    # NOTE: every expected kind by name. Starlette answers a bare ``Exception`` in its outermost middleware and
+    # then re-raises it, so uvicorn logs a traceback and closes the keep-alive connection: a 503 under load
+    # would cost a traceback in the log and a reconnect per refused request.
+    expected = (APIError, InputError, RequestValidationError, ValidationError, StarletteHTTPException)
+    for kind in (*expected, EngineOverloaded, EngineDead, EngineFailure, Exception):
         app.add_exception_handler(kind, answer)

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -56,6 +63,14 @@ class _EngineCollector(Collector):
                 "Prompt tokens served by the prefix cache / prompt tokens looked up, since start.",
                 s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0,
             ),
+            "requests_tracked": ("Requests the engine holds state for (0 when idle).", s.requests_tracked),
+            "encoded_images_held": ("Image embeddings held for the live requests.", s.encoded_images),
+            "encoded_images_held_bytes": ("Bytes of those embeddings.", s.encoded_image_bytes),
+            "prefix_cache_index_entries": (
+                "KV blocks indexed by the prefix cache (at most kv_cache_blocks_total).",
+                s.prefix_index_entries,
+            ),
+            "kv_cache_bytes": ("Bytes of the KV pool (allocated at start-up).", s.kv_cache_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{_NS}_{name}", doc, value=float(value))
@@ -67,6 +82,27 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{_NS}_{name}", doc, value=float(value))
+
+
+class _ProcessMemoryCollector(Collector):
+    """This process's proportional set size (PSS: shared pages split between their sharers), which RSS
+    overstates for a server sharing its libraries and shared memory with its preprocess workers."""
+
+    def collect(self) -> Iterator[Metric]:
+        pss = _pss_bytes()
+        if pss is not None:
+            yield GaugeMetricFamily(f"{_NS}_process_pss_bytes", "Proportional set size of the server.", pss)
+
+
+def _pss_bytes() -> int | None:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux, or no /proc
+        pass
+    return None
 
 
 class ServerMetrics:
@@ -106,6 +142,8 @@ class ServerMetrics:
         )
         self.generation_tokens = Counter(f"{_NS}_generation_tokens", "Tokens generated.", registry=r)
         self.register(_EngineCollector(snapshot))
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
+        self.register(_ProcessMemoryCollector())
 
     def register(self, collector: Collector) -> None:
         self.registry.register(collector)

@@ -155,6 +155,11 @@ class LLMEngine:
             self.load.update(busy=False)  # idle from here on (no step follows)
         return True
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV pool's size: allocated (and touched) at start-up, fixed for the engine's life."""
+        return self.runner.kv_cache.nbytes
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -24,7 +24,9 @@ class BlockKey:
     """Everything a cached block's KV depends on; compared exactly on every hit (the hash only finds it)."""
 
     parent: int
-    token_ids: tuple[int, ...]
+    # NOTE: packed int64s, one object: the index keeps a key per cached block (up to the whole pool), and a
+    # tuple of ints costs ~5x as much (each id past 256 is an int object of its own).
+    token_ids: bytes
     extra: tuple[bytes, ...]
 
 
@@ -40,7 +42,7 @@ def hash_block(key: BlockKey) -> int:
     # NOTE: never Python's hash(): it is salted per process and attackable (CVE-2025-25183).
     h = xxhash.xxh3_64()
     h.update(key.parent.to_bytes(8, "little"))
-    h.update(array("q", key.token_ids).tobytes())
+    h.update(key.token_ids)
     for extra in key.extra:
         h.update(len(extra).to_bytes(4, "little"))
         h.update(extra)
@@ -48,7 +50,8 @@ def hash_block(key: BlockKey) -> int:
 
 
 def block_key(parent: int, token_ids: Seq[int], images: Seq[ImageItem], start: int) -> BlockKey:
-    return BlockKey(parent, tuple(token_ids), block_extra_keys(images, start, start + len(token_ids)))
+    packed = array("q", token_ids).tobytes()
+    return BlockKey(parent, packed, block_extra_keys(images, start, start + len(token_ids)))
 
 
 def extend_chain(seq: Sequence, num_blocks: int, block_size: int) -> list[tuple[int, BlockKey]]:
