@@ -8,6 +8,7 @@ processor config. Same preset + seed gives byte-identical files; the tokenizer d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -466,10 +467,21 @@ def synthetic_corpus(n_words: int, n_lines: int, seed: int = 1234) -> list[str]:
 
 def train_tokenizer(preset: str | Preset):
     """Byte-level BPE with Qwen2's pre-tokenizer, trained on the synthetic corpus; specials appended."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    return _train_bpe(p.vocab_size, p.corpus_words, p.corpus_lines)
+
+
+@functools.cache
+def _tokenizer_json(vocab_size: int, corpus_words: int, corpus_lines: int) -> str:
+    # NOTE: training is deterministic, so once per process: a test session builds several checkpoints
+    # whose presets share one tokenizer.
+    return _train_bpe(vocab_size, corpus_words, corpus_lines).to_str(pretty=True)
+
+
+def _train_bpe(vocab_size: int, corpus_words: int, corpus_lines: int):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
     from tokenizers.models import BPE
 
-    p = PRESETS[preset] if isinstance(preset, str) else preset
     tok = Tokenizer(BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -479,14 +491,14 @@ def train_tokenizer(preset: str | Preset):
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    learned = p.vocab_size - len(SPECIAL_TOKENS)
+    learned = vocab_size - len(SPECIAL_TOKENS)
     trainer = trainers.BpeTrainer(
         vocab_size=learned,
         min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(synthetic_corpus(p.corpus_words, p.corpus_lines), trainer)
+    tok.train_from_iterator(synthetic_corpus(corpus_words, corpus_lines), trainer)
     if tok.get_vocab_size() != learned:
         raise RuntimeError(f"BPE learned {tok.get_vocab_size()} tokens, wanted {learned}: enlarge the corpus")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
@@ -494,9 +506,9 @@ def train_tokenizer(preset: str | Preset):
 
 
 def _write_tokenizer(out: Path, p: Preset) -> None:
-    tok = train_tokenizer(p)
-    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    model = json.loads(tok.to_str())["model"]
+    text = _tokenizer_json(p.vocab_size, p.corpus_words, p.corpus_lines)
+    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    model = json.loads(text)["model"]
     _write_json(out / "vocab.json", model["vocab"])
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")

@@ -30,7 +30,7 @@ def eos_id(eos_ckpt) -> int:
 
 @pytest.fixture(scope="module")
 def llm(eos_ckpt):
-    with LLM(str(eos_ckpt), max_num_batched_tokens=128) as engine:
+    with LLM(str(eos_ckpt), max_num_batched_tokens=128, num_kv_blocks=128) as engine:
         yield engine
 
 
