@@ -15,6 +15,9 @@
  * pairs of dims, v in pairs of keys × dims, and P is rounded to bfloat16 as flash attention does. Else
  * the products are float32 FMAs on GCC vectors (16 lanes with AVX-512, 8 with AVX2).
  *
+ * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
+ * compiled path shares one thread pool.
+ *
  * Built by encoder/attention/cpu_kernel.py with `cc -O3 -march=native -ffp-contract=fast`; called through
  * ctypes, which releases the GIL. Returns 0, or a negative code for arguments it refuses.
  */
