@@ -271,7 +271,7 @@ def test_replica_killed_mid_run(healthy):
     # then cut by the kill): none that had not reached it, none re-sent.
     for rid, status, _ in failed:
         line = balancer_log_line(healthy.run_dir / "haproxy.log", rid)
-        assert line["server"] == victim and line["retries"] == "0" and line["term"][0] == "S", line
+        assert line["server"] == victim and line["retries"] == "0" and line["term"][0] == "S", (status, line)
         assert status in (None, 502)
     assert len(failed) <= 4  # at most the requests in flight
     after = [healthy.chat(text(f"After {i}?")) for i in range(20)]
