@@ -271,6 +271,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
+    from encoder.tier import command as encoder_tier
 
     model, names = _default_model(args)
     server_args = ServerArgs(
@@ -282,6 +283,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tpot_slo_ms=args.tpot_slo_ms,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
+            **encoder_tier.serve_kwargs(args),
         ),
         host=args.host,
         port=args.port,
@@ -325,6 +327,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from encoder.tier import command as encoder_tier
+
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -337,11 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the demo model)")
     _add_engine_args(p)
     _add_server_args(p)
+    encoder_tier.add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     from api.cluster.command import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
+    encoder_tier.add_parser(sub)
 
     p = sub.add_parser(
         "batch",
