@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -151,6 +152,7 @@ class RemoteVisionPipeline:
                 self.owned.wait(10)
             except subprocess.TimeoutExpired:
                 self.owned.kill()
+            shutil.rmtree(os.path.dirname(urlsplit(self.url).path), ignore_errors=True)
 
     # -- sending ----------------------------------------------------------------------------------------
     def _lookup(self, job: EncodeJob) -> None:
@@ -350,7 +352,7 @@ def start_local_pool(
     """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL."""
     path = os.path.join(tempfile.mkdtemp(prefix="vlmserve-encoder-"), "encoder.sock")
     cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", model, "--workers", str(workers)]
-    cmd += ["--socket", path, "--dtype", dtype, "--device", device]
+    cmd += ["--socket", path, "--dtype", dtype, "--device", device, "--exit-with-parent"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + startup_s
     for line in proc.stdout:  # the ready line, or the end of its output if it failed

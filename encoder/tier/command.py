@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--redis-key-prefix", default="vlmserve:", help="the engines' --redis-key-prefix")
     p.add_argument("--redis-ttl-s", type=int, default=600, help="how long a shipped embedding stays in Redis")
     p.add_argument("--max-batch-patches", type=int, default=16384)
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
+    )
     p.set_defaults(func=cmd_encoder)
 
 
@@ -67,7 +70,8 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_key_prefix=args.redis_key_prefix,
             redis_ttl_s=args.redis_ttl_s,
             max_batch_patches=args.max_batch_patches,
-        )
+        ),
+        exit_with_parent=args.exit_with_parent,
     )
     return 0
 

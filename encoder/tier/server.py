@@ -20,7 +20,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -340,7 +339,14 @@ def with_suppressed_unlink(path: str) -> None:
         os.unlink(path)
 
 
-def serve_forever(settings: TierSettings) -> None:
+def _watch_parent(stop: threading.Event) -> None:
+    parent = os.getppid()
+    while not stop.wait(1.0):
+        if os.getppid() != parent:  # the server that started this pool is gone (even by SIGKILL)
+            stop.set()
+
+
+def serve_forever(settings: TierSettings, exit_with_parent: bool = False) -> None:
     """Run until SIGTERM/SIGINT; prints one ready line with the addresses (launchers wait for it)."""
     import signal
 
@@ -351,6 +357,8 @@ def serve_forever(settings: TierSettings) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
     where = [f"tcp://{server.address[0]}:{server.address[1]}"] if server.address else []
     where += [f"unix://{settings.socket_path}"] if settings.socket_path else []
     print(f"vlmserve encoder ready: {settings.workers} workers on {' '.join(where)}", flush=True)
@@ -358,4 +366,3 @@ def serve_forever(settings: TierSettings) -> None:
         stop.wait()
     finally:
         server.close()
-        time.sleep(0)
