@@ -271,6 +271,7 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
+    from encoder.tier import command as encoder_tier
     from lm_engine.memory import bound_native_caches
 
     bound_native_caches()  # NOTE: before the engine runs its first matmul
@@ -285,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             tpot_slo_ms=args.tpot_slo_ms,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,
+            **encoder_tier.serve_kwargs(args),
         ),
         host=args.host,
         port=args.port,
@@ -331,6 +333,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from encoder.tier import command as encoder_tier
+
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -344,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the demo model)")
     _add_engine_args(p)
     _add_server_args(p)
+    encoder_tier.add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
     from api.cluster.command import add_parser as add_cluster_parser
 
     add_cluster_parser(sub)
+    encoder_tier.add_parser(sub)
 
     p = sub.add_parser(
         "batch",

@@ -83,7 +83,8 @@ def to_api_error(exc: BaseException | RequestError) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestError):  # a request the engine failed (a bad image, the encoder)
-        return APIError(exc.status, exc.message, param=exc.param, code=exc.code)
+        retry = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))} if exc.retry_after_s else None
+        return APIError(exc.status, exc.message, param=exc.param, code=exc.code, headers=retry)
     if isinstance(exc, InputError):
         return APIError(400, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, (RequestValidationError, ValidationError)):  # the route's, or a batch line's

@@ -19,6 +19,8 @@ class VisionPathCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._encoder()
+        if (remote := getattr(self.pipeline, "remote", None)) is not None:
+            yield from _remote(remote)
         if self.pool is not None:
             yield from self._preprocess()
 
@@ -69,3 +71,38 @@ class VisionPathCollector(Collector):
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+
+
+def _remote(st) -> Iterator[Metric]:
+    """The encoder tier as this engine sees it (encoder.tier.client.RemoteStats)."""
+    from encoder.tier.client import SHIP_BUCKETS
+
+    yield CounterMetricFamily(
+        "vlmserve_encoder_remote_requests", "Encode requests sent to the encoder pool.", value=st.sent
+    )
+    yield CounterMetricFamily(
+        "vlmserve_encoder_remote_shipped_bytes",
+        "Embedding bytes shipped back by the pool.",
+        value=st.shipped_bytes,
+    )
+    counts, acc = [], 0
+    for bound, n in zip((*SHIP_BUCKETS, float("inf")), st.ship_seconds):
+        acc += n
+        counts.append(("+Inf" if bound == float("inf") else str(bound), acc))
+    yield HistogramMetricFamily(
+        "vlmserve_encoder_remote_ship_seconds",
+        "From sending an image to the pool to holding its embedding.",
+        buckets=counts,
+        sum_value=st.ship_seconds_sum,
+    )
+    fallbacks = CounterMetricFamily(
+        "vlmserve_encoder_remote_fallbacks",
+        "Images the pool did not deliver, encoded in-process or failed (by reason).",
+        labels=["reason"],
+    )
+    for reason in ("unreachable", "timeout", "disconnected", "remote_error", "lost"):
+        fallbacks.add_metric([reason], st.fallbacks.get(reason, 0))
+    yield fallbacks
+    yield GaugeMetricFamily(
+        "vlmserve_encoder_remote_connected", "1 while connected to the pool.", value=float(st.connected)
+    )

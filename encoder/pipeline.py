@@ -97,6 +97,8 @@ class VisionPipeline:
         max_batch_patches: int = 16384,
         max_wait_s: float = 0.002,
         is_fatal: Callable[[BaseException], bool] = lambda exc: False,
+        encoder_threads: int = 1,
+        on_finish: Callable[[], None] | None = None,
     ) -> None:
         self.encode = encode
         self.config = config
@@ -106,6 +108,7 @@ class VisionPipeline:
         self.max_batch_patches = max_batch_patches
         self.max_wait_s = max_wait_s
         self.is_fatal = is_fatal
+        self.on_finish = on_finish  # told after each result is ready (a pipeline's owner may wait elsewhere)
         # A failure that leaves the device unusable (``is_fatal``): the engine stops on it instead of
         # failing image after image on a poisoned device.
         self.fatal: BaseException | None = None
@@ -117,8 +120,14 @@ class VisionPipeline:
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlmserve-vision-lookup")
         self._closed = False
-        self._thread = threading.Thread(target=self._encoder_loop, name="vlmserve-encoder", daemon=True)
-        self._thread.start()
+        # NOTE: one encoder thread per concurrent ``encode`` call it may make (the encoder tier's worker
+        # processes each take one); in-process there is one tower, so one thread.
+        self._threads = [
+            threading.Thread(target=self._encoder_loop, name=f"vlmserve-encoder-{i}", daemon=True)
+            for i in range(max(1, encoder_threads))
+        ]
+        for t in self._threads:
+            t.start()
 
     # -- engine side ---------------------------------------------------------------------------------------
     @property
@@ -151,7 +160,8 @@ class VisionPipeline:
     def close(self) -> None:
         self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # -- lookup + preprocessing ------------------------------------------------------------------------------
@@ -187,6 +197,7 @@ class VisionPipeline:
     def _next_batch(self) -> list[_Pending] | None:
         first = self._queue.get()
         if first is None:
+            self._queue.put(None)  # for the other encoder threads
             return None
         batch, patches = [first], first.patches.shape[0]
         deadline = time.monotonic() + self.max_wait_s
@@ -227,7 +238,8 @@ class VisionPipeline:
                 del pixels  # the last lease on a lone image's slot
                 lengths = [int(np.prod(p.grid)) // self.merge_size**2 for p in batch]
                 embeddings = [e.clone() for e in rows.split(lengths)]
-                self.stats.record_batch(len(batch), num_patches, time.perf_counter() - t0)
+                with self._lock:
+                    self.stats.record_batch(len(batch), num_patches, time.perf_counter() - t0)
             except Exception as exc:
                 log.exception("vision tower failed on a batch of %d images", len(batch))
                 if self.is_fatal(exc):
@@ -247,3 +259,5 @@ class VisionPipeline:
             if result.error is not None:
                 self.stats.errors += 1
             self._done.notify_all()
+        if self.on_finish is not None:
+            self.on_finish()

@@ -41,6 +41,12 @@ class EngineConfig:
     redis_key_prefix: str = "vlmserve:"
     encoder_max_batch_patches: int = 16384
     encoder_max_wait_ms: float = 2.0
+    # Encoder tier: send cache misses to a `vlmserve encoder` pool at this URL (tcp://host:port, unix:///path),
+    # or start a local pool of this many worker processes; default: encode in-process.
+    encoder_url: str | None = None
+    encoder_workers: int = 0
+    encoder_timeout_s: float = 30.0  # the longest an image waits for the pool before the fallback
+    encoder_fallback: str = "local"  # "local": encode in-process then; "fail": the request gets a 503
     # Load: visual budget controller and admission control
     # "adaptive" lowers new images' max_pixels under load (the server's default); "fixed" (offline default)
     # gives every image the configured maximum, as a batch job with no latency target wants.

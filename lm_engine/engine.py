@@ -78,6 +78,10 @@ class LLMEngine:
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
         )
+        if config.encoder_url or config.encoder_workers:
+            from encoder.tier.client import connect
+
+            self.vision = connect(config, self.vision, self.embedding_cache, self.processor.model_fingerprint)
         self.images = EncodedImages(self.vision, self.runner.place)
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
@@ -301,5 +305,7 @@ def _image_error(err: BaseException, index: int) -> RequestError:
         return RequestError(
             400, f"image {index}: {message}", getattr(err, "code", "invalid_image"), "image_url"
         )
+    if (retry := getattr(err, "retry_after_s", None)) is not None:  # encoder tier unavailable
+        return RequestError(503, f"image {index}: {err}", "encoder_unavailable", "image_url", retry)
     message = f"image {index}: the vision encoder failed: {type(err).__name__}"
     return RequestError(500, message, "encoder_error", "image_url")

@@ -14,6 +14,7 @@ class RequestError:
     message: str
     code: str
     param: str | None = None
+    retry_after_s: float | None = None  # a 503's Retry-After
 
 
 @dataclass(slots=True)

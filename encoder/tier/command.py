@@ -1,0 +1,113 @@
+"""``vlmserve encoder``: its flags, and the encoder-tier flags of ``vlmserve serve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "encoder",
+        help="a pool of vision-encoder processes serving any number of `vlmserve serve --encoder-url` engines",
+    )
+    p.add_argument("--model", required=True, help="the checkpoint directory the engines serve")
+    p.add_argument("--port", type=int, default=None, help="TCP port for engines (tcp://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument(
+        "--socket",
+        default=None,
+        help="Unix socket for engines on this host, which get embeddings as shared memory "
+        "(default with --port: vlmserve-encoder-PORT.sock in the temp directory)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="encoder processes, each with its own vision tower")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's own)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--preprocess-workers", type=int, default=None, help="decode/resize processes (default: 2)"
+    )
+    p.add_argument("--embedding-cache-mb", type=int, default=256, help="the pool's own embedding cache")
+    p.add_argument(
+        "--redis-url", default=None, help="Redis for engines on other hosts (the L2 format, with a TTL)"
+    )
+    p.add_argument("--redis-key-prefix", default="vlmserve:", help="the engines' --redis-key-prefix")
+    p.add_argument("--redis-ttl-s", type=int, default=600, help="how long a shipped embedding stays in Redis")
+    p.add_argument("--max-batch-patches", type=int, default=16384)
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
+    )
+    p.set_defaults(func=cmd_encoder)
+
+
+def cmd_encoder(args: argparse.Namespace) -> int:
+    from encoder.tier.server import TierSettings, serve_forever
+
+    if args.port is None and args.socket is None:
+        print("vlmserve encoder: give --port, --socket or both", file=sys.stderr)
+        return 2
+    socket_path = args.socket
+    if socket_path is None:
+        import tempfile
+
+        socket_path = os.path.join(tempfile.gettempdir(), f"vlmserve-encoder-{args.port}.sock")
+    logging.getLogger().setLevel(logging.INFO)
+    serve_forever(
+        TierSettings(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            workers=args.workers,
+            threads=args.threads,
+            host=args.host,
+            port=args.port,
+            socket_path=socket_path,
+            preprocess_workers=2 if args.preprocess_workers is None else args.preprocess_workers,
+            cache_bytes=args.embedding_cache_mb << 20,
+            redis_url=args.redis_url,
+            redis_key_prefix=args.redis_key_prefix,
+            redis_ttl_s=args.redis_ttl_s,
+            max_batch_patches=args.max_batch_patches,
+        ),
+        exit_with_parent=args.exit_with_parent,
+    )
+    return 0
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("encoder tier")
+    g.add_argument(
+        "--encoder-url",
+        default=None,
+        help="send embedding-cache misses to this `vlmserve encoder` pool (tcp://HOST:PORT or unix:///PATH) "
+        "instead of encoding in this process",
+    )
+    g.add_argument(
+        "--encoder-workers",
+        type=int,
+        default=0,
+        help="start a local encoder pool of N processes with the server",
+    )
+    g.add_argument(
+        "--encoder-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an image may wait for the pool (then fallback)",
+    )
+    g.add_argument(
+        "--encoder-fallback",
+        default="local",
+        choices=["local", "fail"],
+        help="when the pool is unreachable or too slow: encode in this process, or answer 503 with Retry-After",
+    )
+
+
+def serve_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        encoder_url=args.encoder_url,
+        encoder_workers=args.encoder_workers,
+        encoder_timeout_s=args.encoder_timeout,
+        encoder_fallback=args.encoder_fallback,
+    )

@@ -1,0 +1,368 @@
+"""``vlmserve encoder``: a pool of encoder worker processes serving encode requests from any number of engines.
+
+Requests arrive as frames keyed by the embedding key (``wire``). The first request for a key starts it through
+the existing pipeline (embedding cache, preprocess pool, varlen batches across requests and engines) with
+one encoder thread per worker process; later requests for the same key only wait for it (single flight).
+Each waiting engine gets the embedding its own way:
+
+- ``shm``: a memfd with the ``cache.codec`` entry, passed over the Unix socket (same host);
+- ``redis``: written to Redis in the L2 format with a TTL, the reply names only the key (other hosts);
+- ``inline``: the ``cache.codec`` entry as the frame's payload (TCP, no Redis).
+
+An engine that disconnects is forgotten at once: its waits are dropped, and a result nobody waits for any
+more is not shipped anywhere, so nothing piles up for engines that are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cache import EmbeddingCache, EmbeddingKey, codec
+from cache.redis_tier import RedisTier
+from encoder.pipeline import Encoded, EncodeJob, VisionPipeline
+from encoder.tier import wire
+from encoder.tier.workers import WorkerPool
+from preprocess import PreprocessConfig, PreprocessPool
+
+log = logging.getLogger("vlmserve.encoder.tier")
+
+
+def host_id() -> str:
+    """Same value on the same running host: who may be sent a memory file descriptor."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() + "@" + socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+@dataclass(slots=True)
+class TierSettings:
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    workers: int = 1
+    threads: int = 0  # torch threads per worker (0: torch's default)
+    host: str = "127.0.0.1"
+    port: int | None = None
+    socket_path: str | None = None
+    preprocess_workers: int = 2
+    cache_bytes: int = 256 << 20
+    redis_url: str | None = None
+    redis_key_prefix: str = "vlmserve:"
+    redis_ttl_s: int = 600
+    max_batch_patches: int = 16384
+    max_wait_ms: float = 2.0
+
+
+@dataclass(slots=True)
+class TierStats:
+    requests: int = 0
+    joined: int = 0  # requests that found their key already in flight (single flight)
+    shipped: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # per way
+    shipped_bytes: int = 0
+    dropped: int = 0  # results whose engines had all gone
+    disconnects: int = 0
+
+
+class _Conn:
+    """One engine connection: its socket, how it wants embeddings, and its waits (request ids by key)."""
+
+    def __init__(self, sock: socket.socket, unix: bool) -> None:
+        self.sock, self.unix = sock, unix
+        self.ship = "inline"
+        self.lock = threading.Lock()  # one sender at a time
+        self.alive = True
+
+    def send(self, header: dict, payload: bytes = b"", fd: int | None = None) -> bool:
+        with self.lock:
+            if not self.alive:
+                return False
+            try:
+                wire.send(self.sock, header, payload, fd)
+                return True
+            except OSError:
+                self.alive = False
+                return False
+
+
+class EncoderServer:
+    def __init__(self, settings: TierSettings) -> None:
+        from lm_engine.config import EngineConfig
+        from lm_engine.models.qwen2_vl import Qwen2VLConfig
+
+        self.settings = s = settings
+        path = Path(s.model)
+        model_config = Qwen2VLConfig.from_dir(path)
+        dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
+        self.preprocess_config = PreprocessConfig.from_checkpoint(path)
+        self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads)
+        self.fingerprint = self.workers.fingerprint
+        self.redis = (
+            RedisTier(s.redis_url, prefix=s.redis_key_prefix, ttl_s=s.redis_ttl_s, async_puts=False)
+            if s.redis_url
+            else None
+        )
+        self.cache = EmbeddingCache.create(s.cache_bytes)
+        self.preprocess = PreprocessPool(s.preprocess_workers) if s.preprocess_workers > 0 else None
+        self._wake = threading.Event()
+        self.pipeline = VisionPipeline(
+            self.workers.encode,
+            self.preprocess_config,
+            merge_size=model_config.spatial_merge_size,
+            cache=self.cache,
+            pool=self.preprocess,
+            max_batch_patches=s.max_batch_patches,
+            max_wait_s=s.max_wait_ms / 1000,
+            encoder_threads=s.workers,
+            on_finish=self._wake.set,
+        )
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._waits: dict[EmbeddingKey, list[tuple[_Conn, int]]] = {}
+        self._listeners: list[socket.socket] = []
+        self._closed = threading.Event()
+        self.address: tuple[str, int] | None = None
+        self.host_id = host_id()
+
+    # -- listening --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        s = self.settings
+        if s.port is not None:
+            tcp = socket.create_server((s.host, s.port), reuse_port=False)
+            self.address = tcp.getsockname()[:2]
+            self._listen(tcp, unix=False)
+        if s.socket_path:
+            with_suppressed_unlink(s.socket_path)
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind(s.socket_path)
+            unix.listen(64)
+            self._listen(unix, unix=True)
+        threading.Thread(target=self._deliver_loop, name="vlmserve-encoder-deliver", daemon=True).start()
+
+    def _listen(self, sock: socket.socket, unix: bool) -> None:
+        self._listeners.append(sock)
+        threading.Thread(target=self._accept_loop, args=(sock, unix), daemon=True).start()
+
+    def _accept_loop(self, listener: socket.socket, unix: bool) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            if not unix:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve_conn, args=(_Conn(sock, unix),), daemon=True).start()
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        reader = wire.Reader(conn.sock)
+        try:
+            while True:
+                header, payload, fd = reader.read()
+                if fd is not None:
+                    os.close(fd)  # engines never send descriptors
+                self._handle(conn, header, payload)
+        except (EOFError, OSError, wire.ProtocolError) as exc:
+            if not isinstance(exc, EOFError):
+                log.info("dropping an engine connection: %s", exc)
+        finally:
+            self._forget(conn)
+            reader.close()
+            conn.sock.close()
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _handle(self, conn: _Conn, header: dict, payload: bytes) -> None:
+        op = header.get("op")
+        if op == "hello":
+            conn.ship = self._ship_way(conn, header.get("ship"))
+            conn.send(self._hello(conn))
+        elif op == "encode":
+            self._encode(conn, header, payload)
+        elif op == "stats":
+            conn.send({"op": "stats", **self.snapshot()})
+        else:
+            raise wire.ProtocolError(f"unknown op {op!r}")
+
+    def _ship_way(self, conn: _Conn, asked: object) -> str:
+        if asked == "shm" and conn.unix:
+            return "shm"
+        if asked == "redis" and self.redis is not None:
+            return "redis"
+        return "inline"
+
+    def _hello(self, conn: _Conn) -> dict:
+        return {
+            "op": "hello",
+            "ship": conn.ship,
+            "model": self.fingerprint,
+            "preprocess": self.preprocess_config.fingerprint(),
+            "host_id": self.host_id,
+            "socket": self.settings.socket_path,
+        }
+
+    def _encode(self, conn: _Conn, header: dict, payload: bytes) -> None:
+        rid = int(header.get("id", 0))
+        key = wire.key_from_json(header.get("key"))
+        if (
+            key.model_fingerprint != self.fingerprint
+            or key.preprocess_fingerprint != self.preprocess_config.fingerprint()
+        ):
+            conn.send(
+                {
+                    "op": "result",
+                    "id": rid,
+                    "error": "this encoder pool serves other vision weights or preprocessing",
+                    "kind": "mismatch",
+                }
+            )
+            return
+        max_pixels = header.get("max_pixels")
+        with self._lock:
+            self.stats.requests += 1
+            waits = self._waits.get(key)
+            if waits is not None:
+                self.stats.joined += 1
+                waits.append((conn, rid))
+                return
+            self._waits[key] = [(conn, rid)]
+        self.pipeline.submit([EncodeJob(key, payload, int(max_pixels) if max_pixels is not None else None)])
+
+    def _forget(self, conn: _Conn) -> None:
+        """The engine is gone: drop its waits (its keys still running finish into the cache only)."""
+        conn.alive = False
+        with self._lock:
+            self.stats.disconnects += 1
+            for key in list(self._waits):
+                self._waits[key] = [w for w in self._waits[key] if w[0] is not conn]
+
+    # -- results ----------------------------------------------------------------------------------------
+    def _deliver_loop(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            for result in self.pipeline.take_results():
+                with self._lock:
+                    waits = self._waits.pop(result.key, [])
+                    if not waits:
+                        self.stats.dropped += 1
+                self._deliver(result, waits)
+
+    def _deliver(self, result: Encoded, waits: list[tuple[_Conn, int]]) -> None:
+        if result.error is not None:
+            exc = result.error
+            err = {"op": "result", "error": str(exc) or type(exc).__name__, "kind": _error_kind(exc)}
+            if code := getattr(exc, "code", None):
+                err["code"] = code
+            for conn, rid in waits:
+                conn.send({**err, "id": rid})
+            return
+        digest = result.key.digest()
+        entry = codec.encode(digest, result.embedding)
+        in_redis = False
+        for conn, rid in waits:
+            header = {"op": "result", "id": rid, "size": len(entry), "via": conn.ship}
+            if conn.ship == "redis" and not in_redis:
+                self.redis.put(result.key, result.embedding)
+                in_redis = True
+            if conn.ship == "shm":
+                fd = wire.memfd_with(entry)
+                try:
+                    ok = conn.send({**header, "fd": True}, fd=fd)
+                finally:
+                    os.close(fd)  # the engine holds its own copy of the descriptor now
+            else:
+                ok = conn.send(header, entry if conn.ship == "inline" else b"")
+            if ok:
+                with self._lock:
+                    self.stats.shipped[conn.ship] += 1
+                    self.stats.shipped_bytes += len(entry)
+
+    # -- introspection ----------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        st, ps, ws = self.pipeline.stats, self.workers.stats, self.workers
+        with self._lock:
+            waiting = sum(len(w) for w in self._waits.values())
+            tier = {
+                "requests": self.stats.requests,
+                "joined": self.stats.joined,
+                "shipped": dict(self.stats.shipped),
+                "shipped_bytes": self.stats.shipped_bytes,
+                "dropped": self.stats.dropped,
+                "disconnects": self.stats.disconnects,
+                "waiting": waiting,
+                "keys_in_flight": len(self._waits),
+            }
+        return {
+            **tier,
+            "images_encoded": st.images,
+            "batches": st.batches,
+            "cache_hits": st.cache_hits,
+            "pipeline_pending": self.pipeline.pending,
+            "worker_pids": ws.pids,
+            "busy_workers": sorted(ps.busy),
+            "worker_deaths": ps.worker_deaths,
+            "redispatched_images": ps.redispatched_images,
+        }
+
+    def close(self) -> None:
+        self._closed.set()
+        for sock in self._listeners:
+            sock.close()
+        if self.settings.socket_path:
+            with_suppressed_unlink(self.settings.socket_path)
+        self.pipeline.close()
+        self.workers.close()
+        if self.preprocess is not None:
+            self.preprocess.close()
+        if self.redis is not None:
+            self.redis.close()
+
+
+def _error_kind(exc: BaseException) -> str:
+    from preprocess import PreprocessError, PreprocessWorkerError
+
+    if isinstance(exc, PreprocessError):
+        return "preprocess"
+    if isinstance(exc, PreprocessWorkerError):
+        return "preprocess_worker"
+    return "encoder"
+
+
+def with_suppressed_unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _watch_parent(stop: threading.Event) -> None:
+    parent = os.getppid()
+    while not stop.wait(1.0):
+        if os.getppid() != parent:  # the server that started this pool is gone (even by SIGKILL)
+            stop.set()
+
+
+def serve_forever(settings: TierSettings, exit_with_parent: bool = False) -> None:
+    """Run until SIGTERM/SIGINT; prints one ready line with the addresses (launchers wait for it)."""
+    import signal
+
+    server = EncoderServer(settings)
+    if server.preprocess is not None:
+        server.preprocess.wait_ready(300)  # ready means ready to encode, not still spawning processes
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if exit_with_parent:
+        threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
+    where = [f"tcp://{server.address[0]}:{server.address[1]}"] if server.address else []
+    where += [f"unix://{settings.socket_path}"] if settings.socket_path else []
+    print(f"vlmserve encoder ready: {settings.workers} workers on {' '.join(where)}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        server.close()

@@ -1,0 +1,126 @@
+"""`vlmserve encoder` as a process, spoken to by hand: the wire format, embeddings equal to the in-process
+encoder's, one encode per key across engines, a worker killed mid-batch, an engine that disconnects.
+
+The pace is set by the pool's test hook (workers hold each batch while a file exists), never by a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+
+import pytest
+import torch
+
+from encoder.tier import wire
+from lm_engine import LLM
+from preprocess import preprocess
+from tests.encoder.tier_support import RawEngine, start_pool
+from tests.support import make_image
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_ckpt):
+    p = start_pool(tmp_path_factory.mktemp("pool"), tiny_ckpt, "--workers", "2")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def inproc(tiny_ckpt):
+    """The in-process path the pool must agree with."""
+    with LLM(str(tiny_ckpt), num_kv_blocks=32, embedding_cache_bytes=0) as llm:
+        yield llm
+
+
+def encode_here(llm: LLM, data: bytes) -> torch.Tensor:
+    px = preprocess(data, llm.engine.preprocess_config)
+    return llm.engine.runner.encode_images(torch.from_numpy(px.patches), torch.tensor([px.grid_thw]))
+
+
+def test_frames_round_trip_with_descriptors():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        reader = wire.Reader(b, max_payload=1 << 20)
+        fd = wire.memfd_with(b"shared bytes")
+        wire.send(a, {"op": "x", "fd": True, "size": 12}, fd=fd)
+        os.close(fd)
+        wire.send(a, {"op": "y"}, b"\x00payload\xff" * 1000)
+        header, payload, got = reader.read()
+        assert header == {"op": "x", "fd": True, "size": 12} and payload == b""
+        assert wire.read_fd(got, 12) == b"shared bytes"
+        header, payload, got = reader.read()
+        assert header == {"op": "y"} and payload == b"\x00payload\xff" * 1000 and got is None
+        a.sendall(b"NOPE" + b"\0" * 12)
+        with pytest.raises(wire.ProtocolError):
+            reader.read()
+    c, d = socket.socketpair()
+    with c, d:
+        wire.send(c, {"op": "big"}, b"x" * 2048)
+        with pytest.raises(wire.ProtocolError):  # past the reader's payload cap: refused before reading it
+            wire.Reader(d, max_payload=1024).read()
+
+
+def test_same_image_from_two_engines_is_encoded_once(pool, inproc):
+    cfg = inproc.engine.preprocess_config
+    shared, other = make_image(320, 240, 101, "JPEG"), make_image(200, 300, 102)
+    before = pool.stats()
+    pool.hold()
+    with RawEngine(pool.socket_path) as e1, RawEngine(pool.socket_path) as e2:
+        k_shared, k_other = e1.key(shared, cfg), e1.key(other, cfg)
+        e1.encode(1, k_shared, shared)
+        e1.encode(2, k_other, other)
+        e2.encode(7, k_shared, shared)
+        pool.wait_for(lambda s: s["waiting"] == 3, what="three waits")
+        pool.release()
+        got1 = {rid: emb for rid, emb, _ in (e1.result({1: k_shared, 2: k_other}) for _ in range(2))}
+        rid, got2, header = e2.result({7: k_shared})
+    assert rid == 7 and header["via"] == "shm"
+    after = pool.stats()
+    assert after["images_encoded"] - before["images_encoded"] == 2  # not 3
+    assert after["joined"] - before["joined"] == 1
+    assert torch.equal(got1[1], got2)
+    torch.testing.assert_close(got1[1], encode_here(inproc, shared), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got1[2], encode_here(inproc, other), rtol=1e-5, atol=1e-5)
+
+
+def test_worker_killed_mid_batch_its_images_are_encoded_by_another(pool, inproc):
+    cfg = inproc.engine.preprocess_config
+    data = make_image(448, 448, 103, "JPEG")
+    before = pool.stats()
+    pool.hold()
+    started = pool.started_batches()
+    with RawEngine(pool.socket_path) as eng:
+        key = eng.key(data, cfg)
+        eng.encode(1, key, data)
+        pid, _ = pool.wait_batch_started(started)
+        os.kill(pid, signal.SIGKILL)
+        pool.release()
+        rid, emb, header = eng.result({1: key})
+    assert rid == 1 and "error" not in header, header
+    torch.testing.assert_close(emb, encode_here(inproc, data), rtol=1e-5, atol=1e-5)
+    after = pool.wait_for(lambda s: len(s["worker_pids"]) == 2, what="a replacement worker")
+    assert pid not in after["worker_pids"]
+    assert after["worker_deaths"] - before["worker_deaths"] == 1
+    assert after["redispatched_images"] - before["redispatched_images"] == 1
+
+
+def test_engine_gone_while_its_embeddings_are_in_flight_leaves_nothing_behind(pool, inproc):
+    cfg = inproc.engine.preprocess_config
+    images = [make_image(256, 256, 104), make_image(300, 180, 105, "JPEG")]
+    before = pool.stats()
+    pool.hold()
+    eng = RawEngine(pool.socket_path)
+    for i, data in enumerate(images):
+        eng.encode(i, eng.key(data, cfg), data)
+    pool.wait_for(lambda s: s["waiting"] == 2, what="the engine's two waits")
+    eng.close()
+    # Gone: its waits are dropped while its images are still held in a worker.
+    pool.wait_for(lambda s: s["waiting"] == 0, timeout=30, what="its waits dropped")
+    pool.release()
+    after = pool.wait_for(
+        lambda s: s["pipeline_pending"] == 0 and s["keys_in_flight"] == 0, what="the pool drained"
+    )
+    assert after["dropped"] - before["dropped"] == 2  # finished into the pool's cache, shipped nowhere
+    assert after["shipped"] == before["shipped"] and after["shipped_bytes"] == before["shipped_bytes"]

@@ -1,0 +1,131 @@
+"""A `vlmserve encoder` process for tests, and a minimal engine speaking the wire protocol by hand."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cache import EmbeddingKey, codec
+from encoder.tier import wire
+from encoder.tier.workers import HOOK_ENV
+from preprocess import PreprocessConfig, preprocess
+from preprocess.hashing import image_hash
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Pool:
+    proc: subprocess.Popen
+    tcp_url: str
+    socket_path: str
+    hooks: Path
+
+    def hold(self) -> None:
+        """Workers stop at the start of their next batch until ``release``."""
+        (self.hooks / "hold").touch()
+
+    def release(self) -> None:
+        (self.hooks / "hold").unlink(missing_ok=True)
+
+    def started_batches(self) -> list[tuple[int, int]]:
+        """(worker pid, batch number) of every batch a worker has begun."""
+        out = []
+        for p in self.hooks.glob("batch-*"):
+            _, pid, n = p.name.split("-")
+            out.append((int(pid), int(n)))
+        return sorted(out)
+
+    def stats(self) -> dict:
+        with RawEngine(self.socket_path) as eng:
+            wire.send(eng.sock, {"op": "stats"})
+            header, _, _ = eng.reader.read()
+            return header
+
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> dict:
+        """Poll the pool's stats until ``predicate`` holds (a bound against hanging, not a pace)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()
+            if predicate(st):
+                return st
+            assert time.monotonic() < deadline, f"pool never reached {what}: {st}"
+            time.sleep(0.05)
+
+    def wait_batch_started(self, before: list[tuple[int, int]], timeout: float = 120.0) -> tuple[int, int]:
+        """The first batch begun that is not in ``before``."""
+        deadline = time.monotonic() + timeout
+        while not (new := sorted(set(self.started_batches()) - set(before))):
+            assert time.monotonic() < deadline, "no worker started a batch"
+            time.sleep(0.02)
+        return new[0]
+
+    def stop(self) -> None:
+        self.release()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
+    hooks = tmp / "hooks"
+    hooks.mkdir(exist_ok=True)
+    sock = str(tmp / "encoder.sock")
+    env = {**os.environ, HOOK_ENV: str(hooks), "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", str(ckpt), "--port", "0", "--socket", sock]
+    proc = subprocess.Popen([*cmd, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("vlmserve encoder ready"):
+        proc.kill()
+        raise RuntimeError(f"encoder pool did not start: {line!r} (exit {proc.wait()})")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    tcp = next(w for w in line.split() if w.startswith("tcp://"))
+    return Pool(proc, tcp, sock, hooks)
+
+
+class RawEngine:
+    """An engine reduced to the protocol: hello, encode requests, results (shared memory by default)."""
+
+    def __init__(self, socket_path: str, ship: str = "shm") -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(socket_path)
+        self.reader = wire.Reader(self.sock)
+        wire.send(self.sock, {"op": "hello", "ship": ship})
+        self.hello, _, _ = self.reader.read()
+
+    def key(self, data: bytes, config: PreprocessConfig) -> EmbeddingKey:
+        grid = tuple(preprocess(data, config).grid_thw)
+        return EmbeddingKey(image_hash(data), grid, self.hello["preprocess"], self.hello["model"])
+
+    def encode(self, rid: int, key: EmbeddingKey, data: bytes) -> None:
+        wire.send(self.sock, {"op": "encode", "id": rid, "key": wire.key_to_json(key)}, data)
+
+    def result(self, key_of: dict[int, EmbeddingKey]) -> tuple[int, torch.Tensor | None, dict]:
+        header, payload, fd = self.reader.read()
+        rid = header["id"]
+        if "error" in header:
+            return rid, None, header
+        digest = key_of[rid].digest()
+        raw = wire.read_fd(fd, header["size"]) if fd is not None else payload
+        return rid, codec.decode(digest, raw), header
+
+    def close(self) -> None:
+        self.sock.close()
+        self.reader.close()
+
+    def __enter__(self) -> RawEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
