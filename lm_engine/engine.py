@@ -17,7 +17,7 @@ from lm_engine.device import is_fatal_device_error, to_device
 from lm_engine.images import EncodedImages
 from lm_engine.load import LoadControl
 from lm_engine.model_runner import ModelRunner
-from lm_engine.models.qwen2_vl import Qwen2VLConfig
+from lm_engine.models.registry import ModelConfig, load_model_config
 from lm_engine.output_processor import OutputProcessor, RequestState
 from lm_engine.outputs import RequestError, RequestOutput
 from lm_engine.processor import ChatInput, InputError, InputProcessor, PromptInputs
@@ -37,7 +37,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         path = Path(config.model)
-        self.model_config = Qwen2VLConfig.from_dir(path)
+        self.model_config = load_model_config(path)
         self.dtype = _compute_dtype(config, self.model_config)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
@@ -272,7 +272,7 @@ class LLMEngine:
         assert set(self.images.ready) <= held and set(self.images.failed) <= held
 
 
-def _compute_dtype(config: EngineConfig, model_config: Qwen2VLConfig) -> torch.dtype:
+def _compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
     dtype = config.resolve_dtype(model_config.dtype)
     if config.dtype == "auto" and dtype != model_config.dtype:
         log.info(

@@ -9,8 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from encoder.models import Qwen3VisionTower
+from lm_engine import LLM, SamplingParams, model_runner
+from lm_engine.models import qwen3_vl
+from lm_engine.models.qwen2_vl import MRotaryEmbedding
 from lm_engine.models.qwen3_vl_make import PRESETS, param_count
-from tests.support import HFOracle, image_part, make_image, user
+from lm_engine.step_inputs import build_step
+from tests.support import HFOracle, image_part, make_image, mixed_requests, user
 
 MAX_NEW = 20
 
@@ -55,3 +60,150 @@ def test_outputs_vary_with_prompt_and_image(oracle: HFOracle) -> None:
     assert len({tuple(t) for t in texts}) == 3
     images = [oracle.generate(user(image_part(make_image(224, 224, s)), "What?"), MAX_NEW) for s in (1, 2, 3)]
     assert len({tuple(t) for t in images}) == 3
+
+
+# -- equivalence: greedy ids equal transformers' generate() (float32, CPU) ---------------------------------
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def references(oracle: HFOracle) -> list[list[int]]:
+    return [oracle.generate(conv, MAX_NEW) for conv in mixed_requests()]
+
+
+def assert_matches(outs, refs) -> None:
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.token_ids == ref, f"request {i}: engine {out.token_ids} != transformers {ref}"
+
+
+def image_spans(ids: list[int], pad: int) -> list[tuple[int, int]]:
+    """[start, end) of every run of image placeholders."""
+    spans: list[tuple[int, int]] = []
+    for i, tok in enumerate(ids):
+        if tok == pad:
+            if spans and spans[-1][1] == i:
+                spans[-1] = (spans[-1][0], i + 1)
+            else:
+                spans.append((i, i + 1))
+    return spans
+
+
+@pytest.fixture
+def chunk_log(monkeypatch) -> list[tuple[str, int, int]]:
+    """(request id, first token, end) of every prefill chunk the engine runs."""
+    log: list[tuple[str, int, int]] = []
+
+    def spy(sched, embeddings, block_size, device):
+        for c in sched.chunks:
+            if c.num_tokens > 1:
+                start = c.seq.num_computed_tokens
+                log.append((c.seq.request_id, start, start + c.num_tokens))
+        return build_step(sched, embeddings, block_size, device)
+
+    monkeypatch.setattr(model_runner, "build_step", spy)
+    return log
+
+
+def test_mixed_batch_with_chunks_through_images(qwen3_tiny_ckpt, references, oracle):
+    llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=96, block_size=16, enable_prefix_caching=True)
+    convs = mixed_requests()
+    outs = llm.chat(convs, GREEDY)
+    for conv, out in zip(convs, outs):
+        assert out.prompt_token_ids == oracle.inputs(conv)["input_ids"][0].tolist()
+    assert_matches(outs, references)
+    assert any(max(o.visual_tokens, default=0) > 96 for o in outs)  # spans cut across chunks
+    again = llm.chat(convs, GREEDY)  # now largely from the prefix cache
+    assert_matches(again, references)
+    assert sum(o.num_cached_tokens for o in again) > 0.5 * sum(len(o.prompt_token_ids) for o in again)
+    llm.engine.check_integrity()
+
+
+def test_two_images_with_a_chunk_boundary_inside_each(qwen3_tiny_ckpt, oracle, chunk_log):
+    conv = user(image_part(make_image(320, 256, 21)), "First.", image_part(make_image(288, 224, 22)), "Both?")
+    ids = oracle.inputs(conv)["input_ids"][0].tolist()
+    spans = image_spans(ids, json.loads((qwen3_tiny_ckpt / "config.json").read_text())["image_token_id"])
+    assert len(spans) == 2
+    budget = next(
+        b for b in range(24, 120) if all(any(a < k * b < e for k in range(1, 20)) for a, e in spans)
+    )
+    ref = oracle.generate(conv, MAX_NEW)
+    llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=budget, enable_prefix_caching=False)
+    (out,) = llm.chat([conv], GREEDY)
+    assert out.token_ids == ref
+    cuts = {end for _, _, end in chunk_log if end < len(ids)}
+    assert all(any(a < c < e for c in cuts) for a, e in spans), (cuts, spans)
+
+
+def test_prefix_cache_hit_starting_inside_an_image(qwen3_tiny_ckpt, oracle, chunk_log):
+    """A cached prefix that ends inside the image: the rest of the image's rows (every level) from there."""
+    pad = json.loads((qwen3_tiny_ckpt / "config.json").read_text())["image_token_id"]
+    for width in range(96, 640, 32):
+        conv = user("Look:", image_part(make_image(width, 160, 23)))
+        ids = oracle.inputs(conv)["input_ids"][0].tolist()
+        ((a, e),) = image_spans(ids, pad)
+        hit = (len(ids) - 1) // 16 * 16
+        if a < hit < e:
+            break
+    else:
+        pytest.fail("no image width puts the cache boundary inside the image")
+    ref = oracle.generate(conv, MAX_NEW)
+    llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=64, block_size=16, enable_prefix_caching=True)
+    assert llm.chat([conv], GREEDY)[0].token_ids == ref
+    (out,) = llm.chat([conv], GREEDY)
+    assert out.num_cached_tokens == hit and out.token_ids == ref
+    assert chunk_log[-1][1:] == (hit, len(ids))  # the second run computed from inside the image on
+
+
+def test_same_text_different_images(qwen3_tiny_ckpt, oracle):
+    system = {"role": "system", "content": "You are a careful assistant who looks closely at pictures. " * 3}
+    convs = [[system, *user(image_part(make_image(224, 224, 100 + i)), "What is in it?")] for i in range(4)]
+    refs = [oracle.generate(c, MAX_NEW) for c in convs]
+    assert len({tuple(r) for r in refs}) > 1
+    llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=128, enable_prefix_caching=True)
+    for i, (conv, ref) in enumerate(zip(convs, refs)):
+        (out,) = llm.chat([conv], GREEDY)
+        assert out.token_ids == ref and (out.num_cached_tokens > 0) == (i > 0)
+    assert_matches(llm.chat(convs, GREEDY), refs)
+
+
+def test_preemption_by_recompute(qwen3_tiny_ckpt, oracle):
+    convs = [
+        user(image_part(make_image(224, 160 + 64 * (i % 2), 300 + i)), f"Question {i}: " + "more " * (i % 3))
+        if i % 4
+        else user(f"Question {i}: " + "please tell me more about it " * (2 + i % 3))
+        for i in range(8)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=40)
+    refs = [oracle.generate(c, 40) for c in convs]
+    for caching in (True, False):
+        llm = LLM(
+            str(qwen3_tiny_ckpt), max_num_batched_tokens=256, num_kv_blocks=40, enable_prefix_caching=caching
+        )
+        llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=1))  # every image encoded first
+        before = llm.engine.scheduler.num_preemptions
+        assert_matches(llm.chat(convs, params), refs)
+        assert llm.engine.scheduler.num_preemptions > before
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+# -- negative controls: each Qwen3-VL rule changes the answers ------------------------------------------------
+IMAGE_CONVS = [c for c in mixed_requests() if any(p.get("type") == "image" for p in c[-1]["content"][:1])]
+
+
+@pytest.mark.parametrize("broken", ["no_deepstack", "contiguous_mrope"])
+def test_each_rule_is_needed(qwen3_tiny_ckpt, oracle, monkeypatch, broken):
+    if broken == "no_deepstack":
+        forward = Qwen3VisionTower.forward
+
+        def without_levels(self, pixels, grid_thw):
+            rows = forward(self, pixels, grid_thw)
+            rows[:, self.out_dim :] = 0
+            return rows
+
+        monkeypatch.setattr(Qwen3VisionTower, "forward", without_levels)
+    else:
+        monkeypatch.setattr(qwen3_vl, "InterleavedMRotary", MRotaryEmbedding)
+    refs = [oracle.generate(c, MAX_NEW) for c in IMAGE_CONVS]
+    llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=512, enable_prefix_caching=False)
+    outs = llm.chat(IMAGE_CONVS, GREEDY)
+    assert any(o.token_ids != r for o, r in zip(outs, refs)), f"{broken} went unnoticed"
