@@ -11,7 +11,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from encoder.attention import cpu_kernel
 from encoder.models import Qwen3VisionTower, build_vision_tower
+
+ATTENTIONS = [
+    "torch",
+    pytest.param("cpu-kernel", marks=pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler")),
+]
 
 # (t, h, w) in patches: square, wide, tall, the smallest, larger than the 12×12 learned table, one frame pair.
 GRIDS = [(1, 8, 8), (1, 4, 10), (1, 14, 6), (1, 2, 2), (1, 16, 20), (2, 6, 4)]
@@ -82,8 +88,8 @@ def pixels_for(grids: list[tuple[int, int, int]], seed: int) -> tuple[torch.Tens
     return torch.randn(n, PATCH_DIM, generator=torch.Generator().manual_seed(seed)), torch.tensor(grids)
 
 
-def ours_for(path: Path) -> Qwen3VisionTower:
-    return build_vision_tower(json.loads((path / "config.json").read_text()), path, attention="torch")
+def ours_for(path: Path, attention: str = "torch") -> Qwen3VisionTower:
+    return build_vision_tower(json.loads((path / "config.json").read_text()), path, attention=attention)
 
 
 def split_levels(rows: torch.Tensor, levels: int) -> list[torch.Tensor]:
@@ -100,18 +106,21 @@ def assert_equals_transformers(ours, hf, pixels, grid_thw) -> None:
         torch.testing.assert_close(g, e, atol=2e-5, rtol=2e-5, msg=f"level {level}")
 
 
-def test_tower_equals_transformers(hf_and_ckpt):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_tower_equals_transformers(hf_and_ckpt, attention):
     hf, path = hf_and_ckpt
-    ours = ours_for(path)
+    ours = ours_for(path, attention)
+    assert ours.attend.name == attention
     assert isinstance(ours, Qwen3VisionTower) and ours.levels == len(hf.config.deepstack_visual_indexes)
     for i, grid in enumerate(GRIDS):
         assert_equals_transformers(ours, hf, *pixels_for([grid], seed=i))
     assert_equals_transformers(ours, hf, *pixels_for(GRIDS, seed=99))
 
 
-def test_packed_batch_equals_each_image_alone(hf_and_ckpt):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
     _, path = hf_and_ckpt
-    ours = ours_for(path)
+    ours = ours_for(path, attention)
     pixels, grid_thw = pixels_for(GRIDS, seed=7)
     packed = ours(pixels, grid_thw)
     alone, start = [], 0
