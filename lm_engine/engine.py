@@ -73,6 +73,7 @@ class LLMEngine:
             max_batch_patches=config.encoder_max_batch_patches,
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
+            row_width=self.runner.vision.out_dim * (1 + self.runner.vision.levels),
         )
         self.images = EncodedImages(self.vision, self.runner.place)
         eos = set(self.model_config.eos_token_ids)

@@ -270,7 +270,13 @@ class InputProcessor:
             grid = plan_grid(info, self.preprocess_config, max_pixels)
         except PreprocessError as exc:
             raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
-        key = EmbeddingKey(image_identity(data), grid, self.preprocess_fingerprint, self.model_fingerprint)
+        key = EmbeddingKey(
+            image_identity(data),
+            grid,
+            self.preprocess_fingerprint,
+            self.model_fingerprint,
+            getattr(self.cfg, "deepstack_levels", 0),
+        )
         return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

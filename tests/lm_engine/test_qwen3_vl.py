@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+from cache import codec
 from encoder.models import Qwen3VisionTower
 from lm_engine import LLM, SamplingParams, model_runner
 from lm_engine.models import qwen3_vl
@@ -207,3 +208,60 @@ def test_each_rule_is_needed(qwen3_tiny_ckpt, oracle, monkeypatch, broken):
     llm = LLM(str(qwen3_tiny_ckpt), max_num_batched_tokens=512, enable_prefix_caching=False)
     outs = llm.chat(IMAGE_CONVS, GREEDY)
     assert any(o.token_ids != r for o, r in zip(outs, refs)), f"{broken} went unnoticed"
+
+
+# -- the embedding cache: one entry holds every level, in one versioned format ---------------------------------
+def _image_conv(seed: int) -> list[dict]:
+    return user(image_part(make_image(224, 192, seed)), "What is in it?")
+
+
+def test_memory_entry_without_its_levels_is_not_used(qwen3_tiny_ckpt, oracle):
+    """An L1 entry of the wrong layout under the right key (main rows only, or one level of two) is a miss."""
+    conv = _image_conv(40)
+    ref = oracle.generate(conv, MAX_NEW)
+    llm = LLM(str(qwen3_tiny_ckpt), enable_prefix_caching=False)
+    key = llm.engine.process_chat(conv).images[0].key
+    hidden, rows = PRESETS["tiny"].text.hidden_size, 7 * 6
+    assert key.levels == 2
+    for width in (hidden, 2 * hidden):
+        llm.engine.embedding_cache.l1.put(key, torch.randn(rows, width))
+        encoded = llm.engine.vision.stats.images
+        assert llm.chat([conv], GREEDY)[0].token_ids == ref
+        assert llm.engine.vision.stats.images == encoded + 1  # encoded again, not read from the bad entry
+    # The right entry (written by that encoding) is a hit.
+    encoded = llm.engine.vision.stats.images
+    assert llm.chat([conv], GREEDY)[0].token_ids == ref and llm.engine.vision.stats.images == encoded
+
+
+def test_redis_entry_of_another_version_or_level_count_is_not_used(qwen3_tiny_ckpt, oracle, redis_db_url):
+    """Entries with the right shape and the wrong values: a version-1 entry and one declaring 0 levels.
+    Read, they would change the answer; refused, they are recomputed."""
+    import redis
+
+    from tests.cache.test_levels import version_1_entry
+
+    prefix = "vlmserve-test-qwen3-"
+    client = redis.Redis.from_url(redis_db_url)
+    writers = {
+        "version-1": version_1_entry,
+        "no-levels": lambda digest, t: codec.encode(digest, t, levels=0),
+    }
+    for seed, (name, write) in enumerate(writers.items(), start=41):
+        conv = _image_conv(seed)
+        ref = oracle.generate(conv, MAX_NEW)
+        llm = LLM(
+            str(qwen3_tiny_ckpt), enable_prefix_caching=False, redis_url=redis_db_url, redis_key_prefix=prefix
+        )
+        key = llm.engine.process_chat(conv).images[0].key
+        wrong = torch.randn(7 * 6, 3 * PRESETS["tiny"].text.hidden_size) * 3
+        client.set(f"{prefix}emb:{key.digest()}", write(key.digest(), wrong))
+        assert llm.chat([conv], GREEDY)[0].token_ids == ref, name
+        assert llm.engine.embedding_cache.l2.stats()["corrupt"] == 1, name
+        assert llm.engine.vision.stats.images == 1, name
+        llm.engine.embedding_cache.l2.flush()
+        # What the engine wrote back is the current format, and a fresh engine reads it.
+        again = LLM(
+            str(qwen3_tiny_ckpt), enable_prefix_caching=False, redis_url=redis_db_url, redis_key_prefix=prefix
+        )
+        assert again.chat([conv], GREEDY)[0].token_ids == ref and again.engine.vision.stats.images == 0
+    client.close()
