@@ -56,7 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         pp = self.preprocess_config
-        ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels))
+        ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels, pp.factor))
         self.load = LoadControl(config, ladder, self.scheduler, self.block_manager, self.admission)
         self.processor.model_fingerprint = vision_fingerprint(self.runner.vision)
         self.embedding_cache = EmbeddingCache.create(

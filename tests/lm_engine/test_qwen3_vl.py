@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from cache import codec
@@ -16,6 +18,7 @@ from lm_engine.models import qwen3_vl
 from lm_engine.models.qwen2_vl import MRotaryEmbedding
 from lm_engine.models.qwen3_vl_make import PRESETS, param_count
 from lm_engine.step_inputs import build_step
+from lm_engine.visual_budget import default_ladder
 from tests.support import HFOracle, image_part, make_image, mixed_requests, user
 
 MAX_NEW = 20
@@ -265,3 +268,21 @@ def test_redis_entry_of_another_version_or_level_count_is_not_used(qwen3_tiny_ck
         )
         assert again.chat([conv], GREEDY)[0].token_ids == ref and again.engine.vision.stats.images == 0
     client.close()
+
+
+# -- the adaptive visual budget on 32-px tokens ----------------------------------------------------------------
+def test_visual_budget_ladder_follows_32px_tokens(qwen3_tiny_ckpt, oracle):
+    """Each ladder level is a whole number of 32-px tokens, and an image planned at a level gets the grid
+    transformers' own processor gives at that max_pixels."""
+    assert default_ladder(999_000, 4096, 32) == [999_000, 498_688, 248_832, 4096]  # 487, 243 tokens
+    llm = LLM(str(qwen3_tiny_ckpt), enable_prefix_caching=False)
+    ladder = llm.engine.load.visual_budget.ladder
+    assert len(ladder) == 4 and all(v % (32 * 32) == 0 for v in ladder[1:])
+    image = make_image(700, 500, 50)
+    processor = oracle.processor.image_processor
+    for level, max_pixels in enumerate(ladder):
+        item, _ = llm.engine.processor.process_image(image, max_pixels)
+        size = {"shortest_edge": processor.size["shortest_edge"], "longest_edge": max_pixels}
+        ref = processor(images=[Image.open(io.BytesIO(image))], size=size, return_tensors="pt")
+        assert list(item.key.grid) == ref["image_grid_thw"][0].tolist(), level
+        assert item.length == int(ref["image_grid_thw"][0].prod()) // 4
