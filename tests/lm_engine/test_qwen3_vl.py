@@ -190,6 +190,19 @@ def test_preemption_by_recompute(qwen3_tiny_ckpt, oracle):
         assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_no_prefix_caching_matches(qwen3_tiny_ckpt, references, backend):
+    """Both CPU attention backends: plain torch and the compiled decode kernel (head_dim 32)."""
+    llm = LLM(
+        str(qwen3_tiny_ckpt),
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        attention_backend=backend,
+    )
+    assert llm.engine.runner.backend.name == backend
+    assert_matches(llm.chat(mixed_requests(), GREEDY), references)
+
+
 # -- negative controls: each Qwen3-VL rule changes the answers ------------------------------------------------
 IMAGE_CONVS = [c for c in mixed_requests() if any(p.get("type") == "image" for p in c[-1]["content"][:1])]
 
