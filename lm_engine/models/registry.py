@@ -14,6 +14,7 @@ from lm_engine.models.qwen3_vl import Qwen3VLConfig, Qwen3VLDecoder
 
 _DECODERS: dict[str, tuple[type, type[nn.Module]]] = {
     "qwen2_vl": (Qwen2VLConfig, Qwen2VLDecoder),
+    "qwen2_5_vl": (Qwen2VLConfig, Qwen2VLDecoder),  # Qwen2-VL's decoder; only the tower differs
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLDecoder),
 }
 
