@@ -86,10 +86,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
     t0 = time.perf_counter()
-    path = make_checkpoint(args.out, preset=args.preset, seed=args.seed, family=args.family)
+    if args.family == "qwen3_vl":
+        path = qwen3_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed)
+    else:
+        path = qwen2_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed, family=args.family)
     print(f"wrote {args.family} {args.preset} checkpoint to {path} in {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -338,9 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="generate a Qwen2-VL or Qwen2.5-VL checkpoint with random weights")
+    p = sub.add_parser(
+        "make-model", help="generate a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint with random weights"
+    )
     p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"])
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)

@@ -16,6 +16,7 @@ rate. Pixels are random (the work does not depend on them).
     .venv/bin/python benchmarks/encoder_throughput.py                 # the small preset, ~1-2 min
     .venv/bin/python benchmarks/encoder_throughput.py --quick         # 3 images, seconds
     .venv/bin/python benchmarks/encoder_throughput.py --dtype float32 --attention torch
+    .venv/bin/python benchmarks/encoder_throughput.py --family qwen3_vl           # Qwen3-VL (deepstack)
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ def ensure_checkpoint(path: Path | None, family: str) -> Path:
         return path
     path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
     if not (path / "model.safetensors").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
+        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
         print(f"generating the small {family} preset into {path} (once)")
-        make_checkpoint(path, preset="small", seed=0, family=family)
+        if family == "qwen3_vl":
+            qwen3_vl_make.make_checkpoint(path, preset="small", seed=0)
+        else:
+            qwen2_vl_make.make_checkpoint(path, preset="small", seed=0, family=family)
     return path
 
 
@@ -98,7 +102,8 @@ def work(cfg, grids: list[tuple[int, int, int]]) -> dict[str, float]:
     merged, width = n // cfg.spatial_merge_size**2, e * cfg.spatial_merge_size**2
     mlp = 2 * e * cfg.mlp_hidden if hasattr(cfg, "mlp_hidden") else 3 * e * cfg.intermediate_size
     per_patch = cfg.patch_dim * e + cfg.depth * (3 * e * e + e * e + mlp)
-    linear = 2 * (n * per_patch + merged * (width * width + width * cfg.out_hidden))
+    mergers = 1 + len(getattr(cfg, "deepstack_indexes", ()))  # Qwen3-VL: one merger per deepstack level too
+    linear = 2 * (n * per_patch + mergers * merged * (width * width + width * cfg.out_hidden))
     full = sum(t * 4 * (h * w) ** 2 * e for t, h, w in grids)
     if hasattr(cfg, "window_size"):
         from encoder.models.qwen2_5_vl import window_order
@@ -157,7 +162,29 @@ def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int) ->
     return Result(name, seconds, patches, linear, attention)
 
 
+def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, Qwen3VLVisionModel
+
+    from encoder.models import build_vision_tower
+    from encoder.models.qwen2_vl import Attention
+    from encoder.models.weights import read_tensors
+
+    config = json.loads((model_dir / "config.json").read_text())
+    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    hf_cfg = Qwen3VLVisionConfig(**config["vision_config"])
+    hf_cfg._attn_implementation = "sdpa"
+    hf = Qwen3VLVisionModel._from_config(hf_cfg, dtype=dtype).eval()
+    state = {
+        k.removeprefix("model.visual."): t for k, t in read_tensors(model_dir, ("model.visual.",)).items()
+    }
+    hf.load_state_dict(state)
+    return ours, (Attention,), hf, (Qwen3VLVisionAttention,)
+
+
 def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+    if json.loads((model_dir / "config.json").read_text()).get("model_type") == "qwen3_vl":
+        return build_qwen3_towers(model_dir, dtype, attention)
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as hf25
     import transformers.models.qwen2_vl.modeling_qwen2_vl as hf2
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -195,7 +222,9 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory (default: the small preset)"
     )
-    ap.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl"], help="of the default")
+    ap.add_argument(
+        "--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"], help="of the default"
+    )
     ap.add_argument("--dtype", default="auto", help="auto (as the engine resolves it), float32 or bfloat16")
     ap.add_argument("--attention", default="auto", choices=["auto", "torch", "cpu-kernel"])
     ap.add_argument("--quick", action="store_true", help="3 images, 1 repeat")
@@ -203,13 +232,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     from lm_engine.config import EngineConfig
-    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+    from lm_engine.models.registry import load_model_config
     from preprocess import PreprocessConfig, smart_resize
 
     model_dir = ensure_checkpoint(args.model, args.family)
-    dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(
-        Qwen2VLConfig.from_dir(model_dir).dtype
-    )
+    dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(load_model_config(model_dir).dtype)
     ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
     cfg = ours.cfg
     pp = PreprocessConfig.from_checkpoint(model_dir)

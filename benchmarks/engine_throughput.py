@@ -18,6 +18,7 @@ flip legitimately).
     .venv/bin/python benchmarks/engine_throughput.py            # 64 requests × 64 tokens, minutes
     .venv/bin/python benchmarks/engine_throughput.py --quick    # 8 requests × 16 tokens, ~3 min
     .venv/bin/python benchmarks/engine_throughput.py --batch-sizes 8,16 --hf-orders sorted  # issue 2's run
+    .venv/bin/python benchmarks/engine_throughput.py --family qwen3_vl --quick    # Qwen3-VL (deepstack)
 """
 
 from __future__ import annotations
@@ -142,15 +143,16 @@ class Result:
     timer: StageTimer | None = None
 
 
-def ensure_checkpoint(path: Path | None) -> Path:
+def ensure_checkpoint(path: Path | None, family: str = "qwen2_vl") -> Path:
     if path is not None:
         return path
-    path = OUT_DIR / "small-seed0"
+    path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
     if not (path / "model.safetensors").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
+        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
-        print(f"generating the small preset into {path} (once)")
-        make_checkpoint(path, preset="small", seed=0)
+        print(f"generating the {family} small preset into {path} (once)")
+        maker = {"qwen2_vl": qwen2_vl_make, "qwen3_vl": qwen3_vl_make}[family]
+        maker.make_checkpoint(path, preset="small", seed=0)
     return path
 
 
@@ -408,6 +410,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: generate small)")
+    parser.add_argument(
+        "--family", default="qwen2_vl", choices=["qwen2_vl", "qwen3_vl"], help="family of the generated model"
+    )
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", default="8,16", help="transformers padded batch sizes")
@@ -440,7 +445,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    model = ensure_checkpoint(args.model)
+    model = ensure_checkpoint(args.model, args.family)
     convs = make_requests(args.num_requests)
     warmup = make_requests(2, seed=99)  # distinct images: nothing cached for the timed runs
     n_img = sum(p["type"] == "image" for c in convs for p in c[0]["content"])
@@ -454,9 +459,9 @@ def main() -> None:
     )
 
     from lm_engine.config import EngineConfig
-    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+    from lm_engine.models.registry import load_model_config
 
-    compute = EngineConfig(str(model), dtype=args.dtype).resolve_dtype(Qwen2VLConfig.from_dir(model).dtype)
+    compute = EngineConfig(str(model), dtype=args.dtype).resolve_dtype(load_model_config(model).dtype)
     print(f"compute dtype: {compute} (every mode; --dtype {args.dtype})")
     print("engine …", flush=True)
     eng, side = run_engine(model, convs, args.output_tokens, args, warmup)

@@ -26,12 +26,14 @@ class EmbeddingKey:
     grid: (t, h, w) patch grid the image was resized to (the visual budget is part of identity).
     preprocess_fingerprint: hash of the preprocessing config (mean/std, resize rule, patch size, ...).
     model_fingerprint: hash of the vision tower + merger weights/config.
+    levels: deepstack levels each embedding row carries after the main one (the entry's layout).
     """
 
     image_hash: str
     grid: tuple[int, int, int]
     preprocess_fingerprint: str
     model_fingerprint: str
+    levels: int = 0
     # The digest, computed once: prefix-cache block hashes read it for every block an image touches.
     raw: bytes = field(init=False, repr=False, compare=False)
 
@@ -48,6 +50,8 @@ class EmbeddingKey:
                 struct.pack("<3q", *self.grid),
                 _field(self.preprocess_fingerprint),
                 _field(self.model_fingerprint),
+                # NOTE: only when non-zero, so keys of families without deepstack keep their digests.
+                struct.pack("<q", self.levels) if self.levels else b"",
             )
         )
 

@@ -77,7 +77,7 @@ class RedisTier(EmbeddingTier):
             ("hits", "misses", "errors", "corrupt", "short_circuited", "puts", "dropped_puts"), 0
         )
         self._async = async_puts
-        self._pending: deque[tuple[str, torch.Tensor]] = deque()
+        self._pending: deque[tuple[str, torch.Tensor, int]] = deque()
         self._inflight = 0
         self._closing = False
         self._cv = threading.Condition()
@@ -101,21 +101,22 @@ class RedisTier(EmbeddingTier):
         if not keys:
             return []
         digests = [k.digest() for k in keys]
+        levels = [k.levels for k in keys]
         ok, raw = self._call(self._client.mget, [self._redis_key(d) for d in digests])
         if not ok:
             self._count(misses=len(keys))
             return [None] * len(keys)
         out: list[torch.Tensor | None] = []
-        for digest, data in zip(digests, raw, strict=True):
-            out.append(self._decode(digest, data))
+        for digest, level, data in zip(digests, levels, raw, strict=True):
+            out.append(self._decode(digest, data, level))
         return out
 
-    def _decode(self, digest: str, data: bytes | None) -> torch.Tensor | None:
+    def _decode(self, digest: str, data: bytes | None, levels: int = 0) -> torch.Tensor | None:
         if data is None:
             self._count(misses=1)
             return None
         try:
-            tensor = codec.decode(digest, data)
+            tensor = codec.decode(digest, data, levels)
         except codec.CorruptEntry as e:
             log.warning("ignoring corrupt embedding entry %s: %s", self._redis_key(digest), e)
             self._count(misses=1, corrupt=1)
@@ -135,18 +136,18 @@ class RedisTier(EmbeddingTier):
             return
         digest = key.digest()
         if not self._async:
-            self._write(digest, tensor)
+            self._write(digest, tensor, key.levels)
             return
         with self._cv:
             if self._closing or len(self._pending) >= self.max_pending_puts:
                 self._count(dropped_puts=1)
                 return
-            self._pending.append((digest, tensor.detach()))
+            self._pending.append((digest, tensor.detach(), key.levels))
             self._cv.notify()
 
-    def _write(self, digest: str, tensor: torch.Tensor) -> None:
+    def _write(self, digest: str, tensor: torch.Tensor, levels: int = 0) -> None:
         # Encoding happens here (the writer thread when async): it copies the tensor to host bytes.
-        value = codec.encode(digest, tensor)
+        value = codec.encode(digest, tensor, levels)
         ok, _ = self._call(self._client.set, self._redis_key(digest), value, ex=self.ttl_s)
         if ok:
             self._count(puts=1)
@@ -160,10 +161,10 @@ class RedisTier(EmbeddingTier):
                     self._cv.wait()
                 if not self._pending:
                     return
-                digest, tensor = self._pending.popleft()
+                digest, tensor, levels = self._pending.popleft()
                 self._inflight += 1
             try:
-                self._write(digest, tensor)
+                self._write(digest, tensor, levels)
             except Exception:  # keep the writer alive whatever one value does
                 log.exception("embedding write to Redis failed")
             finally:

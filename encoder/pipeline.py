@@ -99,8 +99,10 @@ class VisionPipeline:
         is_fatal: Callable[[BaseException], bool] = lambda exc: False,
         encoder_threads: int = 1,
         on_finish: Callable[[], None] | None = None,
+        row_width: int | None = None,
     ) -> None:
         self.encode = encode
+        self.row_width = row_width  # an embedding row's width, every deepstack level included
         self.config = config
         self.merge_size = merge_size
         self.cache = cache
@@ -169,6 +171,11 @@ class VisionPipeline:
         try:
             if self.cache is not None:
                 emb = self.cache.get(job.key)
+                if emb is not None and not self._fits(job.key, emb):
+                    log.warning(
+                        "ignoring a cached embedding of shape %s for grid %s", tuple(emb.shape), job.key.grid
+                    )
+                    emb = None
                 if emb is not None:
                     self.stats.cache_hits += 1
                     self._finish(Encoded(job.key, embedding=emb))
@@ -181,6 +188,12 @@ class VisionPipeline:
                 self._enqueue(job, preprocess(job.data, self.config, job.max_pixels))
         except Exception as exc:  # a bad image fails its own requests only
             self._finish(Encoded(job.key, error=exc))
+
+    def _fits(self, key: EmbeddingKey, emb: torch.Tensor) -> bool:
+        """A cached entry has the layout this model reads: one row per merged token, every level in each."""
+        rows = int(np.prod(key.grid)) // self.merge_size**2
+        width = self.row_width
+        return emb.dim() == 2 and emb.shape[0] == rows and (width is None or emb.shape[1] == width)
 
     def _preprocessed(self, job: EncodeJob, fut: Future) -> None:
         try:

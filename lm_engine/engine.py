@@ -18,7 +18,7 @@ from lm_engine.device import is_fatal_device_error, to_device
 from lm_engine.images import EncodedImages
 from lm_engine.load import LoadControl
 from lm_engine.model_runner import ModelRunner
-from lm_engine.models.qwen2_vl import Qwen2VLConfig
+from lm_engine.models.registry import ModelConfig, load_model_config
 from lm_engine.output_processor import OutputProcessor, RequestState
 from lm_engine.outputs import RequestError, RequestOutput
 from lm_engine.processor import ChatInput, InputError, InputProcessor, PromptInputs
@@ -41,7 +41,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         path = Path(config.model)
-        self.model_config = Qwen2VLConfig.from_dir(path)
+        self.model_config = load_model_config(path)
         self.dtype = _compute_dtype(config, self.model_config)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
@@ -60,7 +60,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs)
         self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
         pp = self.preprocess_config
-        ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels))
+        ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels, pp.factor))
         self.load = LoadControl(config, ladder, self.scheduler, self.block_manager, self.admission, clock)
         self.processor.model_fingerprint = vision_fingerprint(self.runner.vision)
         self.embedding_cache = EmbeddingCache.create(
@@ -77,6 +77,7 @@ class LLMEngine:
             max_batch_patches=config.encoder_max_batch_patches,
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
+            row_width=self.runner.vision.out_dim * (1 + self.runner.vision.levels),
         )
         if config.encoder_url or config.encoder_workers:
             from encoder.tier.client import connect
@@ -286,7 +287,7 @@ class LLMEngine:
         assert set(self.images.ready) <= held and set(self.images.failed) <= held
 
 
-def _compute_dtype(config: EngineConfig, model_config: Qwen2VLConfig) -> torch.dtype:
+def _compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
     dtype = config.resolve_dtype(model_config.dtype)
     if config.dtype == "auto" and dtype != model_config.dtype:
         log.info(

@@ -14,7 +14,7 @@ from encoder.models import build_vision_tower
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
-from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder
+from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.step_inputs import build_step
 
@@ -40,7 +40,7 @@ class ModelRunner:
     def __init__(
         self,
         model_dir: str | Path,
-        cfg: Qwen2VLConfig,
+        cfg: ModelConfig,
         config: EngineConfig,
         dtype: torch.dtype,
         max_model_len: int,
@@ -53,7 +53,7 @@ class ModelRunner:
         self.bind_thread()
         self._encoder_stream: torch.cuda.Stream | None = None
         with torch.device(self.device):
-            self.model = Qwen2VLDecoder(cfg).to(dtype)
+            self.model = build_decoder(cfg).to(dtype)
         self.model.load_weights(model_dir)
         self.model.eval()
         self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)

@@ -16,7 +16,8 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from cache import EmbeddingKey
-from lm_engine.models.qwen2_vl import Qwen2VLConfig, mrope_positions
+from lm_engine.models.qwen2_vl import mrope_positions
+from lm_engine.models.registry import ModelConfig
 from lm_engine.sequence import ImageItem
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
 
@@ -194,9 +195,7 @@ class InputProcessor:
     """Chat template + tokenizer + image grid planning. Images are only probed here (header, no decode):
     decoding, resizing and encoding happen in the vision pipeline, and not at all on a cache hit."""
 
-    def __init__(
-        self, model_dir: str | Path, cfg: Qwen2VLConfig, preprocess_config: PreprocessConfig
-    ) -> None:
+    def __init__(self, model_dir: str | Path, cfg: ModelConfig, preprocess_config: PreprocessConfig) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -271,7 +270,13 @@ class InputProcessor:
             grid = plan_grid(info, self.preprocess_config, max_pixels)
         except PreprocessError as exc:
             raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
-        key = EmbeddingKey(image_identity(data), grid, self.preprocess_fingerprint, self.model_fingerprint)
+        key = EmbeddingKey(
+            image_identity(data),
+            grid,
+            self.preprocess_fingerprint,
+            self.model_fingerprint,
+            getattr(self.cfg, "deepstack_levels", 0),
+        )
         return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

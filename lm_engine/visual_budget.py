@@ -174,9 +174,11 @@ class VisualBudgetController:
         self.history.append((now, level))
 
 
-def default_ladder(max_pixels: int, min_pixels: int) -> list[int]:
-    """100 % / 50 % / 25 % / the model's minimum (deduplicated, descending)."""
-    levels = [max_pixels, max_pixels // 2, max_pixels // 4, min_pixels]
+def default_ladder(max_pixels: int, min_pixels: int, factor: int = 28) -> list[int]:
+    """100 % / 50 % / 25 % / the model's minimum (deduplicated, descending); the middle levels are whole
+    numbers of the model's ``factor``-px tokens (28 px for Qwen2-VL, 32 px for Qwen3-VL)."""
+    token = factor * factor
+    levels = [max_pixels, max_pixels // 2 // token * token, max_pixels // 4 // token * token, min_pixels]
     out: list[int] = []
     for v in levels:
         v = max(v, min_pixels)

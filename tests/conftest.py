@@ -46,6 +46,15 @@ def eos_oracle(eos_ckpt: Path) -> HFOracle:
     return HFOracle(eos_ckpt)
 
 
+def qwen3_tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` Qwen3-VL test checkpoint (seed 0), written through `vlmserve make-model`."""
+    from api.cli import main
+
+    out = tmp_path_factory.mktemp("qwen3_tiny_ckpt")
+    assert main(["make-model", "--family", "qwen3_vl", "--preset", "tiny", "--out", str(out)]) == 0
+    return out
+
+
 # ---------------------------------------------------------------- the real Redis (engine-level tests)
 
 ENGINE_REDIS_URL = "redis://127.0.0.1:6379/14"  # NOTE: loopback only; db 14 is the engine tests' own

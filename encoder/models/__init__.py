@@ -10,10 +10,12 @@ import torch
 from encoder.models.base import VisionTower
 from encoder.models.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from encoder.models.qwen2_vl import Qwen2VisionTower, VisionConfig
+from encoder.models.qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
 
 _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
 
 
@@ -31,6 +33,7 @@ def family_of(config: dict) -> str:
 _TOWERS = {
     "qwen2_vl": (Qwen2VisionTower, VisionConfig),
     "qwen2_5_vl": (Qwen25VisionTower, Qwen25VisionConfig),
+    "qwen3_vl": (Qwen3VisionTower, Qwen3VisionConfig),
 }
 
 
@@ -62,6 +65,8 @@ __all__ = [
     "Qwen25VisionConfig",
     "Qwen25VisionTower",
     "Qwen2VisionTower",
+    "Qwen3VisionConfig",
+    "Qwen3VisionTower",
     "VisionConfig",
     "VisionTower",
     "build_vision_tower",

@@ -14,9 +14,13 @@ from encoder.models.weights import read_tensors
 class VisionTower(nn.Module):
     """Contract: ``forward(pixel_values [Σ patches, C·T·P·P], grid_thw [images, 3])`` → the merged rows of
     every image, in order ([Σ patches / merge², out_dim], the tower's dtype); an image's rows do not depend
-    on the other images in the batch. Parameter names are the checkpoint's with ``visual.`` stripped."""
+    on the other images in the batch. Parameter names are the checkpoint's with ``visual.`` stripped.
+
+    A family with deepstack levels (``levels`` > 0) returns each row as the main embedding followed by every
+    level's, concatenated: [rows, (1 + levels) · out_dim] is one image's whole embedding."""
 
     prefixes = ("visual.", "model.visual.")
+    levels = 0  # deepstack levels after the main embedding in each row
 
     def __init__(self, num_heads: int, head_dim: int, attention: str = "auto") -> None:
         super().__init__()

@@ -37,7 +37,7 @@ def test_decoded_tensor_owns_writable_memory() -> None:
 def test_header_layout() -> None:
     data = codec.encode(DIGEST, torch.zeros(2, 3, dtype=torch.bfloat16))
     name, digest = b"bfloat16", DIGEST.encode()
-    header = b"VLME" + bytes([1, len(name), 2, len(digest)]) + name + digest + struct.pack("<2Q", 2, 3)
+    header = b"VLME" + bytes([2, len(name), 2, len(digest), 0]) + name + digest + struct.pack("<2Q", 2, 3)
     assert data == header + bytes(12)
 
 
@@ -54,7 +54,7 @@ def _with_dtype_name(name: bytes) -> bytes:
     digest = DIGEST.encode()
     return (
         b"VLME"
-        + bytes([1, len(name), 2, len(digest)])
+        + bytes([2, len(name), 2, len(digest), 0])
         + name
         + digest
         + struct.pack("<2Q", 2, 3)
@@ -68,7 +68,8 @@ def _with_dtype_name(name: bytes) -> bytes:
         pytest.param(b"", id="empty"),
         pytest.param(b"VLM", id="shorter-than-header"),
         pytest.param(b"XXXX" + _valid()[4:], id="bad-magic"),
-        pytest.param(_valid()[:4] + b"\x02" + _valid()[5:], id="future-version"),
+        pytest.param(_valid()[:4] + b"\x03" + _valid()[5:], id="future-version"),
+        pytest.param(_valid()[:4] + b"\x01" + _valid()[5:], id="version-1"),
         pytest.param(_valid()[:20], id="truncated-header"),
         pytest.param(_valid()[:-1], id="payload-short"),
         pytest.param(_valid() + b"\0", id="payload-long"),

@@ -1,0 +1,233 @@
+"""Deterministic generator of Qwen3-VL test checkpoints (random weights, locally trained tokenizer).
+
+The layout is a real `Qwen/Qwen3-VL-*-Instruct` checkpoint's: a nested config.json (text_config with an explicit
+head_dim and interleaved M-RoPE, vision_config with patch 16, learned position embeddings and deepstack
+layers), weights under transformers' own names (``model.language_model.*``, ``model.visual.*``), the byte-level
+BPE tokenizer and special tokens of the Qwen2-VL generator, the Qwen3-VL chat template (no default system
+turn) and its image processor config (patch 16, mean/std 0.5). Same preset + seed gives identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lm_engine.models import qwen2_vl_make as base
+
+# Qwen3-VL's template renders Qwen2-VL's turns and placeholders but adds no system turn of its own.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+MEAN_STD = [0.5, 0.5, 0.5]
+QK_NORM_GAIN = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    text: base.Preset  # vocab, widths, layers, heads, dtype, pixel bounds, tokenizer corpus
+    head_dim: int
+    mrope_section: tuple[int, int, int]
+    vision_depth: int
+    vision_hidden: int
+    vision_heads: int
+    vision_intermediate: int
+    num_position_embeddings: int
+    deepstack_visual_indexes: tuple[int, ...]
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        text=base.PRESETS["tiny"],
+        head_dim=32,  # NOTE: not hidden / heads (16), so a decoder that derives it fails to load
+        mrope_section=(6, 5, 5),
+        vision_depth=3,
+        vision_hidden=32,
+        vision_heads=2,
+        vision_intermediate=96,
+        num_position_embeddings=64,  # an 8×8 learned grid, interpolated to every image's grid
+        deepstack_visual_indexes=(0, 1),
+    ),
+    "small": Preset(
+        text=base.PRESETS["small"],
+        head_dim=64,
+        mrope_section=(12, 10, 10),
+        vision_depth=6,
+        vision_hidden=384,
+        vision_heads=6,
+        vision_intermediate=1536,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(1, 3, 5),
+    ),
+}
+
+
+def build_config(preset: str | Preset) -> dict:
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    t, ids = p.text, base.token_ids(p.text)
+    assert sum(p.mrope_section) * 2 == p.head_dim, "mrope_section must cover head_dim / 2"
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "model_type": "qwen3_vl",
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_vl_text",
+            "attention_bias": False,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "head_dim": p.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": t.hidden_size,
+            "intermediate_size": t.intermediate_size,
+            "max_position_embeddings": t.max_position_embeddings,
+            "num_attention_heads": t.num_heads,
+            "num_hidden_layers": t.num_layers,
+            "num_key_value_heads": t.num_kv_heads,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": t.rope_theta,
+                "mrope_section": list(p.mrope_section),
+                "mrope_interleaved": True,
+            },
+            "dtype": t.dtype,
+            "vocab_size": t.vocab_size,
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl_vision",
+            "depth": p.vision_depth,
+            "hidden_size": p.vision_hidden,
+            "hidden_act": "gelu_pytorch_tanh",
+            "intermediate_size": p.vision_intermediate,
+            "num_heads": p.vision_heads,
+            "in_channels": 3,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": t.hidden_size,
+            "num_position_embeddings": p.num_position_embeddings,
+            "deepstack_visual_indexes": list(p.deepstack_visual_indexes),
+        },
+        "dtype": t.dtype,
+    }
+
+
+def make_checkpoint(
+    out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_size_bytes: int | None = None
+) -> Path:
+    """Write a complete Qwen3-VL checkpoint directory and return its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    config = build_config(p)
+    base._write_json(out / "config.json", config)
+    base._write_weights(out, init_weights(config, seed), shard_size_bytes)
+    base._write_tokenizer(out, p.text)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    base._write_json(out / "tokenizer_config.json", {**tok_cfg, "chat_template": CHAT_TEMPLATE})
+    base._write_json(out / "generation_config.json", base.generation_config(p.text))
+    base._write_json(out / "preprocessor_config.json", preprocessor_config(p))
+    base._write_json(out / "video_preprocessor_config.json", video_preprocessor_config(p))
+    base._write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    return out
+
+
+def preprocessor_config(p: Preset) -> dict:
+    cfg = base.preprocessor_config(p.text)
+    cfg.update(
+        image_processor_type="Qwen2VLImageProcessor",
+        processor_class="Qwen3VLProcessor",
+        image_mean=MEAN_STD,
+        image_std=MEAN_STD,
+        patch_size=16,
+    )
+    # NOTE: v5 reads size only; the 32-px tokens make Qwen2-VL's 56² minimum a 64² one.
+    cfg["min_pixels"] = max(p.text.min_pixels, 64 * 64)
+    cfg["size"] = {"shortest_edge": cfg["min_pixels"], "longest_edge": cfg["max_pixels"]}
+    return cfg
+
+
+def video_preprocessor_config(p: Preset) -> dict:
+    cfg = preprocessor_config(p)
+    return {
+        **{k: v for k, v in cfg.items() if k != "image_processor_type"},
+        "video_processor_type": "Qwen3VLVideoProcessor",
+    }
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _hf_model_on_meta(config: dict) -> torch.nn.Module:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        return Qwen3VLForConditionalGeneration(cfg)
+
+
+def param_count(preset: str) -> int:
+    return sum(t.numel() for t in _hf_model_on_meta(build_config(preset)).state_dict().values())
+
+
+def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    """The Qwen2-VL generator's non-degenerate init, read through the Qwen3-VL names.
+
+    NOTE: q/k RMSNorm makes every query and key unit-scale, which leaves attention too flat to read any
+    one image token; the norms' gain sharpens it back. The learned position table is as loud as a patch embedding (a position bug must change the
+    output), and every deepstack merger writes rows as loud as the main one into the decoder's stream."""
+    short = name.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+    if short == "visual.pos_embed.weight":
+        return 0.0, 1.0
+    if short.endswith(("q_norm.weight", "k_norm.weight")):
+        return QK_NORM_GAIN, 0.2
+    if short.startswith("visual.") and "merger" in short and short.endswith("linear_fc2.weight"):
+        return 0.0, 2.0 / shape[1] ** 0.5
+    if short.startswith("visual.") and short.endswith(".norm.weight"):
+        return 1.0, 0.1
+    return base._init_spec(short, shape)
+
+
+def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """transformers-named tensors; each from its own generator so it depends on (seed, name) only."""
+    text = config["text_config"]
+    dtype = getattr(torch, config["dtype"])
+    specials = text["vocab_size"] - len(base.SPECIAL_TOKENS)
+    ends = {text["eos_token_id"], text["bos_token_id"]}
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in _hf_model_on_meta(config).state_dict().items():
+        shape = tuple(meta.shape)
+        mean, std = _init_spec(name, shape)
+        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+        if name == "lm_head.weight":
+            for i in range(specials, text["vocab_size"]):
+                if i not in ends:
+                    t[i] *= 0.1
+        out[name] = t.to(dtype).contiguous()
+    return out
