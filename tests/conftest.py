@@ -46,6 +46,7 @@ def eos_oracle(eos_ckpt: Path) -> HFOracle:
     return HFOracle(eos_ckpt)
 
 
+@pytest.fixture(scope="session")
 def qwen3_tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` Qwen3-VL test checkpoint (seed 0), written through `vlmserve make-model`."""
     from api.cli import main
