@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="generate a Qwen2-VL checkpoint with random weights")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "wide", "small"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)

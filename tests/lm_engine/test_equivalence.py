@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lm_engine import LLM, SamplingParams, prefix_cache
-from tests.support import image_part, make_image, mixed_requests, user
+from lm_engine.models.qwen2_vl_make import make_checkpoint
+from tests.support import HFOracle, image_part, make_image, mixed_requests, user
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -105,3 +106,36 @@ def test_no_prefix_caching_matches(tiny_ckpt, references, backend):
     )
     assert llm.engine.runner.backend.name == backend
     assert_matches(llm.chat(mixed_requests(), GREEDY), references)
+
+
+WIDE_IMAGE = make_image(280, 280, 11)  # 100 visual tokens
+
+
+def test_wide_preset_with_chunks_through_images_and_a_prefix_hit(tmp_path):
+    """The `wide` preset: head dim 128 (64 in the tower) and Qwen2-VL's M-RoPE sections and rope theta, where
+    the tiny preset has 16. A 64-token budget cuts the image spans; the last request reuses the first's image
+    blocks from the prefix cache."""
+    ckpt = make_checkpoint(tmp_path / "wide", preset="wide", seed=0)
+    convs = [
+        user("Tell me a story about a lighthouse keeper and the sea, in three short sentences."),
+        user(image_part(WIDE_IMAGE), "What is in this picture?"),
+        user(
+            "Look at this: ",
+            image_part(make_image(336, 224, 12)),
+            " and this: ",
+            image_part(make_image(224, 168, 13)),
+        ),
+    ]
+    again = user(image_part(WIDE_IMAGE), "Which colours are in it?")
+    oracle = HFOracle(ckpt)
+    refs = [oracle.generate(c, MAX_NEW) for c in [*convs, again]]
+    assert len({tuple(r) for r in refs}) == len(refs), "the prompts must lead to different answers"
+    with LLM(str(ckpt), max_num_batched_tokens=64, num_kv_blocks=128, enable_prefix_caching=True) as llm:
+        assert llm.engine.model_config.hidden_size // llm.engine.model_config.num_attention_heads == 128
+        outs = llm.chat(convs, GREEDY)
+        assert_matches(outs, refs[:3])
+        assert max(outs[1].visual_tokens) > 64
+        (hit,) = llm.chat([again], GREEDY)
+        assert hit.token_ids == refs[3]
+        assert hit.num_cached_tokens > max(hit.visual_tokens)  # the image's KV came from the prefix cache
+        llm.engine.check_integrity()
