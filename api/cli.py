@@ -89,6 +89,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
     t0 = time.perf_counter()
+    if args.preset == "wide" and args.family != "qwen2_vl":
+        raise SystemExit("vlmserve make-model: the wide preset exists for --family qwen2_vl only")
     if args.family == "qwen3_vl":
         path = qwen3_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed)
     else:
@@ -335,32 +337,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from encoder.tier import command as encoder_tier
-
-    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser(
-        "make-model", help="generate a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint with random weights"
-    )
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small"])
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_make_model)
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the demo model)")
-    _add_engine_args(p)
-    _add_server_args(p)
-    encoder_tier.add_serve_args(p)
-    p.set_defaults(func=cmd_serve)
-
-    from api.cluster.command import add_parser as add_cluster_parser
-
-    add_cluster_parser(sub)
-    encoder_tier.add_parser(sub)
-
+def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "batch",
         help="OpenAI batch file (JSONL of chat requests) in, results (JSONL, input order) out, offline",
@@ -382,6 +359,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-progress-bar", action="store_true")
     p.add_argument("--summary-json", default=None, help="also write the run's summary here, as JSON")
     p.set_defaults(func=cmd_batch)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from encoder.tier import command as encoder_tier
+
+    parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "make-model", help="generate a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint with random weights"
+    )
+    p.add_argument("--preset", default="tiny", choices=["tiny", "wide", "small"], help="wide: Qwen2-VL only")
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: the demo model)")
+    _add_engine_args(p)
+    _add_server_args(p)
+    encoder_tier.add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    from api.cluster.command import add_parser as add_cluster_parser
+
+    add_cluster_parser(sub)
+    encoder_tier.add_parser(sub)
+
+    _add_batch_parser(sub)
 
     p = sub.add_parser("demo", help="offline generation on the (demo) model")
     _add_engine_args(p)

@@ -112,6 +112,27 @@ PRESETS: dict[str, Preset] = {
         corpus_words=3000,
         corpus_lines=12000,
     ),
+    # Tests: the released models' head dim (128, 64 in the tower), M-RoPE sections and rope theta, with the
+    # tiny preset's vocab (the same tokenizer) and few layers, so comparing it with transformers stays cheap.
+    "wide": Preset(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        mrope_section=(16, 24, 24),
+        rope_theta=1000000.0,
+        vision_depth=2,
+        vision_embed_dim=128,
+        vision_heads=2,
+        vision_mlp_ratio=2,
+        dtype="float32",
+        min_pixels=3136,
+        max_pixels=1003520,
+        corpus_words=3000,
+        corpus_lines=12000,
+    ),
     "small": Preset(
         vocab_size=8192,
         hidden_size=768,

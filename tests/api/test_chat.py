@@ -7,6 +7,8 @@ the server generated, and the text is checked to be what the same tokenizer deco
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from lm_engine import LLM, SamplingParams
@@ -226,6 +228,19 @@ def test_top_k_one_is_greedy(client):
     assert top1.choices[0].message.content == greedy_text
 
 
+def streamed_greedy(client, messages, **kw) -> tuple[list[str], str | None]:
+    """The text deltas of a streamed greedy request with one choice, and its finish reason."""
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0.0, stream=True, **kw
+    )
+    deltas, finish = [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    return deltas, finish
+
+
 def test_stop_strings(client):
     messages = user("Write a long sentence about the sea and the wind.")
     full = greedy(client, messages, max_tokens=24).choices[0].message.content
@@ -235,15 +250,8 @@ def test_stop_strings(client):
         resp = greedy(client, messages, max_tokens=24, stop=stop_arg)
         assert resp.choices[0].message.content == expected
         assert resp.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(
-        model="tiny", messages=messages, temperature=0.0, max_tokens=24, stop=[stop], stream=True
-    )
-    text, finish = "", None
-    for chunk in streamed:
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            finish = c.finish_reason or finish
-    assert text == expected and finish == "stop"
+    deltas, finish = streamed_greedy(client, messages, max_tokens=24, stop=[stop])
+    assert "".join(deltas) == expected and finish == "stop"
 
 
 def spanning_stop(tokenizer, text: str, ids: list[int]) -> tuple[str, int]:
@@ -271,16 +279,10 @@ def test_stop_string_spanning_two_tokens(client, hf_oracle):
     resp = greedy(client, messages, max_tokens=24, stop=[stop])
     (c,) = resp.choices
     assert (c.message.content, c.finish_reason, c.token_ids) == (expected, "stop", full.token_ids[:n])
-    stream = client.chat.completions.create(
-        model="tiny", messages=messages, temperature=0.0, max_tokens=24, stop=[stop], stream=True
-    )
-    text, finish = "", None
-    for chunk in stream:
-        for c in chunk.choices:
-            text += c.delta.content or ""
-            assert expected.startswith(text), f"{text!r} went past {expected!r}: part of {stop!r} leaked"
-            finish = c.finish_reason or finish
-    assert (text, finish) == (expected, "stop")
+    deltas, finish = streamed_greedy(client, messages, max_tokens=24, stop=[stop])
+    for text in itertools.accumulate(deltas):
+        assert expected.startswith(text), f"{text!r} went past {expected!r}: part of {stop!r} leaked"
+    assert ("".join(deltas), finish) == (expected, "stop")
 
 
 def fresh_image(seed: int) -> bytes:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import pytest
 
 from lm_engine import LLM, SamplingParams, prefix_cache
-from tests.support import image_part, make_image, mixed_requests, user
+from lm_engine.models.qwen2_vl_make import make_checkpoint
+from tests.support import HFOracle, image_part, make_image, mixed_requests, user
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+# A fixed KV pool (512 blocks of 16 tokens hold every prompt of a batch and keep them cached) spares each
+# engine the sizing warm-up, about 1 s of CPU; tests/lm_engine/test_kv_sizing.py covers the sizing.
+POOL = 512
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,13 @@ def assert_matches(outs, refs):
 
 def test_mixed_batch_with_chunks_through_images(tiny_ckpt, references, hf_oracle):
     # A 96-token budget cuts every image span above 96 placeholders across several prefill chunks.
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=96, block_size=16, enable_prefix_caching=True)
+    llm = LLM(
+        str(tiny_ckpt),
+        max_num_batched_tokens=96,
+        block_size=16,
+        num_kv_blocks=POOL,
+        enable_prefix_caching=True,
+    )
     convs = mixed_requests()
     for conv, out in zip(convs, llm.chat(convs, GREEDY)):
         assert out.prompt_token_ids == hf_oracle.inputs(conv)["input_ids"][0].tolist()
@@ -50,7 +60,7 @@ def test_shared_prefix_different_images(tiny_ckpt, hf_oracle):
     assert len({tuple(r) for r in refs}) > 1, (
         "the images must lead to different answers for this test to bite"
     )
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=128, enable_prefix_caching=True)
+    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=128, num_kv_blocks=POOL, enable_prefix_caching=True)
     # One after another (each later request finds the earlier ones' blocks cached) ...
     for i, (conv, ref) in enumerate(zip(convs, refs)):
         (out,) = llm.chat([conv], GREEDY)
@@ -65,7 +75,7 @@ def test_prefix_cache_without_image_identity_fails(tiny_ckpt, hf_oracle, monkeyp
     monkeypatch.setattr(prefix_cache, "block_extra_keys", lambda images, start, end: ())
     convs = [user(image_part(make_image(224, 224, 200 + i)), "What is in the picture?") for i in range(3)]
     refs = [hf_oracle.generate(c, MAX_NEW) for c in convs]
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=512, enable_prefix_caching=True)
+    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=512, num_kv_blocks=POOL, enable_prefix_caching=True)
     llm.chat([convs[0]], GREEDY)
     outs = [llm.chat([c], GREEDY)[0] for c in convs[1:]]
     assert any(o.token_ids != r for o, r in zip(outs, refs[1:])), "the broken hash went unnoticed"
@@ -101,7 +111,44 @@ def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
 def test_no_prefix_caching_matches(tiny_ckpt, references, backend):
     """Both CPU attention backends: plain torch (gather + SDPA) and the compiled decode kernel."""
     llm = LLM(
-        str(tiny_ckpt), max_num_batched_tokens=2048, enable_prefix_caching=False, attention_backend=backend
+        str(tiny_ckpt),
+        max_num_batched_tokens=2048,
+        num_kv_blocks=POOL,
+        enable_prefix_caching=False,
+        attention_backend=backend,
     )
     assert llm.engine.runner.backend.name == backend
     assert_matches(llm.chat(mixed_requests(), GREEDY), references)
+
+
+WIDE_IMAGE = make_image(280, 280, 11)  # 100 visual tokens
+
+
+def test_wide_preset_with_chunks_through_images_and_a_prefix_hit(tmp_path):
+    """The `wide` preset: head dim 128 (64 in the tower) and Qwen2-VL's M-RoPE sections and rope theta, where
+    the tiny preset has 16. A 64-token budget cuts the image spans; the last request reuses the first's image
+    blocks from the prefix cache."""
+    ckpt = make_checkpoint(tmp_path / "wide", preset="wide", seed=0)
+    convs = [
+        user("Tell me a story about a lighthouse keeper and the sea, in three short sentences."),
+        user(image_part(WIDE_IMAGE), "What is in this picture?"),
+        user(
+            "Look at this: ",
+            image_part(make_image(336, 224, 12)),
+            " and this: ",
+            image_part(make_image(224, 168, 13)),
+        ),
+    ]
+    again = user(image_part(WIDE_IMAGE), "Which colours are in it?")
+    oracle = HFOracle(ckpt)
+    refs = [oracle.generate(c, MAX_NEW) for c in [*convs, again]]
+    assert len({tuple(r) for r in refs}) == len(refs), "the prompts must lead to different answers"
+    with LLM(str(ckpt), max_num_batched_tokens=64, num_kv_blocks=128, enable_prefix_caching=True) as llm:
+        assert llm.engine.model_config.hidden_size // llm.engine.model_config.num_attention_heads == 128
+        outs = llm.chat(convs, GREEDY)
+        assert_matches(outs, refs[:3])
+        assert max(outs[1].visual_tokens) > 64
+        (hit,) = llm.chat([again], GREEDY)
+        assert hit.token_ids == refs[3]
+        assert hit.num_cached_tokens > max(hit.visual_tokens)  # the image's KV came from the prefix cache
+        llm.engine.check_integrity()
