@@ -21,8 +21,8 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.api.server_metrics import is_idle, parse_metrics
 from tests.support import HFOracle, make_image
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,15 +194,7 @@ class ServerProcess:
         )
 
     def metrics(self) -> dict[str, float]:
-        text = self.http.get("/metrics").text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = s.name + (
-                    "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
-                )
-                out[key] = s.value
-        return out
+        return parse_metrics(self.http.get("/metrics").text)
 
     def guard_events(self) -> list[dict]:
         if not self.guard_log.exists():
@@ -214,12 +206,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (
-                m["vlmserve_num_requests_running"] == 0
-                and m["vlmserve_num_requests_waiting"] == 0
-                and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
-            )
-            if idle or time.monotonic() > deadline:
+            if is_idle(m) or time.monotonic() > deadline:
                 return m
             time.sleep(0.02)
 
