@@ -97,17 +97,21 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def is_idle(m: dict[str, float]) -> bool:
+    """No request runs or waits and every KV block is free (``m``: parse_metrics of a server's /metrics)."""
+    return (
+        m["vlmserve_num_requests_running"] == 0
+        and m["vlmserve_num_requests_waiting"] == 0
+        and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
+    )
+
+
 def wait_idle(read_metrics: Callable[[], dict[str, float]], timeout_s: float, poll_s: float = 0.02):
-    """A server's metrics once no request runs or waits and every KV block is free (the last look on timeout)."""
+    """A server's metrics once it is idle (``is_idle``), or the last look on timeout."""
     deadline = time.monotonic() + timeout_s
     while True:
         m = read_metrics()
-        idle = (
-            m["vlmserve_num_requests_running"] == 0
-            and m["vlmserve_num_requests_waiting"] == 0
-            and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
-        )
-        if idle or time.monotonic() > deadline:
+        if is_idle(m) or time.monotonic() > deadline:
             return m
         time.sleep(poll_s)
 

@@ -20,12 +20,12 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from api.async_engine import AsyncEngine
 from api.config import ServerArgs
 from api.server import create_app
 from lm_engine import EngineConfig, LLMEngine
+from tests.support import is_idle, parse_metrics
 
 N_CLIENTS = 20
 MAX_TOKENS = 400
@@ -43,12 +43,7 @@ class LiveServer:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0)
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for family in text_string_to_metric_families(self.http.get("/metrics").text):
-            for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
-        return out
+        return parse_metrics(self.http.get("/metrics").text)
 
     def aborted(self) -> float:
         return self.metrics().get("vlmserve_requests_total{status=aborted}", 0.0)
@@ -60,13 +55,8 @@ class LiveServer:
         deadline = time.monotonic() + WAIT_S
         while True:
             m = self.metrics()
-            idle = (
-                m["vlmserve_num_requests_running"] == 0
-                and m["vlmserve_num_requests_waiting"] == 0
-                and m["vlmserve_kv_cache_blocks_free"] == m["vlmserve_kv_cache_blocks_total"]
-                and m.get("vlmserve_requests_total{status=aborted}", 0.0) >= aborted
-            )
-            if idle or time.monotonic() > deadline:
+            counted = m.get("vlmserve_requests_total{status=aborted}", 0.0) >= aborted
+            if (is_idle(m) and counted) or time.monotonic() > deadline:
                 return m
             time.sleep(0.02)
 

@@ -14,22 +14,12 @@ import pytest
 from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
 from lm_engine.admission import AdmissionState, Ticket
 from lm_engine.sequence import SequenceStatus
+from tests.lm_engine.pacing import VirtualClock, encoded_first, paced
 from tests.support import image_part, make_image, user
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 DWELL_S = 0.15
 STEP_S = 0.05  # virtual seconds a model step takes in the burst test: a third of the dwell
-
-
-class VirtualClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
 
 
 def adaptive_engine(tiny_ckpt, clock: VirtualClock | None = None, **kw) -> LLMEngine:
@@ -42,34 +32,6 @@ def adaptive_engine(tiny_ckpt, clock: VirtualClock | None = None, **kw) -> LLMEn
     )
     cfg.update(kw)
     return LLMEngine(EngineConfig(**cfg), clock=clock or time.monotonic)
-
-
-def paced(engine: LLMEngine, clock: VirtualClock, step_s: float) -> None:
-    """Each model step takes ``step_s`` on ``clock`` (and no real time beyond its own)."""
-    real_execute = engine.runner.execute
-
-    def execute(sched, embeddings):
-        clock.advance(step_s)
-        return real_execute(sched, embeddings)
-
-    engine.runner.execute = execute
-
-
-def encoded_first(engine: LLMEngine) -> None:
-    """Each step starts once every image the steps before it sent to the encoder is back, so which requests
-    a step can run does not depend on how fast the encoder threads are."""
-    real_step = engine.step
-
-    def step():
-        deadline = time.monotonic() + 120
-        engine.images.collect()
-        while engine.images.waiting:
-            assert time.monotonic() < deadline, "the encoder did not finish"
-            engine.images.wait(0.05)
-            engine.images.collect()
-        return real_step()
-
-    engine.step = step
 
 
 def drain(engine: LLMEngine, outputs: dict) -> None:

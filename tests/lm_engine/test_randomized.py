@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from lm_engine import EngineConfig, LLMEngine, SamplingParams
+from tests.lm_engine.pacing import encoded_first
 from tests.support import image_part, make_image
 
 WORDS = "the a page table shows seven blue cats under old bridges near one quiet river at dawn".split()
@@ -25,6 +27,11 @@ def test_randomized_run_keeps_invariants_and_frees_everything(tiny_ckpt, prefix_
             enable_prefix_caching=prefix_caching,
         )
     )
+    # NOTE: what each step runs must depend neither on the encoder threads' pace nor on the process's RNG
+    # (unseeded requests sample from it), or neither would the random choices below that read the engine's
+    # state (which request to abort), nor what the run exercised: the same run on any machine.
+    encoded_first(engine)
+    torch.manual_seed(4321 + prefix_caching)
     images = [make_image(rng.choice([28, 56, 84, 140]), rng.choice([28, 56, 112]), seed) for seed in range(6)]
     shared = "You read documents. " * 4
 
