@@ -77,7 +77,9 @@ def _page(index: int) -> bytes:
 def fill_body(i: int, seed: int) -> bytes:
     """A distinct 1024x1024 image (the largest embedding the tiny and small presets make at full budget)."""
     image = load.synth_image(1024, 1024, "jpeg", seed=seed * 1_000_003 + 2 * 10**8 + i)
-    content = [_image_part(image), {"type": "text", "text": "fill"}]
+    part = _image_part(image)
+    part["image_url"]["detail"] = "high"  # full resolution whatever the load: the largest embedding
+    content = [part, {"type": "text", "text": "fill"}]
     return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
 
 
