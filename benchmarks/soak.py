@@ -450,7 +450,7 @@ def report(run: Run, args: argparse.Namespace, title: str) -> int:
     print(verdict("PSS, all processes", growth(run.samples, Sample.total), args.target_pct))
     print(verdict("PSS, server process", growth(run.samples, Sample.server), args.target_pct))
     print("the server's PSS by mapping, first sample to last (what grew):")
-    print("\n".join(mapping_growth(run.maps_before, run.maps_after)))
+    print("\n".join(mapping_growth(run.maps_before, run.maps_after)) or "  (none grew)")
     if run.done < args.n:
         print(f"NOTE: stopped by --max-seconds after {run.done} of {args.n} requests")
     RESULTS.mkdir(parents=True, exist_ok=True)
