@@ -77,7 +77,9 @@ def _page(index: int) -> bytes:
 def fill_body(i: int, seed: int) -> bytes:
     """A distinct 1024x1024 image (the largest embedding the tiny and small presets make at full budget)."""
     image = load.synth_image(1024, 1024, "jpeg", seed=seed * 1_000_003 + 2 * 10**8 + i)
-    content = [_image_part(image), {"type": "text", "text": "fill"}]
+    part = _image_part(image)
+    part["image_url"]["detail"] = "high"  # full resolution whatever the load: the largest embedding
+    content = [part, {"type": "text", "text": "fill"}]
     return json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).encode()
 
 
@@ -132,6 +134,28 @@ def smaps_rollup(pid: int) -> dict[str, int]:
         if name in ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"):
             out[name] = int(rest.split()[0])
     return out
+
+
+def mapping_pss(pid: int) -> dict[str, int]:
+    """kB of PSS per mapping name (a file, [heap], [anon], /dev/shm/...) from /proc/PID/smaps."""
+    out: dict[str, int] = {}
+    name = "[anon]"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=5)
+        if (
+            head and "-" in head[0] and ":" not in head[0]
+        ):  # a mapping's header: addr perms offset dev inode [path]
+            name = head[5] if len(head) > 5 else "[anon]"
+        elif head and head[0] == "Pss:":
+            out[name] = out.get(name, 0) + int(head[1])
+    return out
+
+
+def mapping_growth(before: dict[str, int], after: dict[str, int], top: int = 8) -> list[str]:
+    diffs = sorted(
+        ((after.get(k, 0) - before.get(k, 0), k) for k in before.keys() | after.keys()), reverse=True
+    )
+    return [f"  {d / 1024:+8.1f} MB  {name}" for d, name in diffs[:top] if d]
 
 
 def _role(pid: int, ppid: int, root: int) -> str:
@@ -208,6 +232,9 @@ class Run:
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     filled: int = 0  # requests sent to fill the embedding cache before the run
+    retries: int = 0  # 503s answered by sending the request again
+    maps_before: dict[str, int] = field(default_factory=dict)  # the server's PSS per mapping, kB
+    maps_after: dict[str, int] = field(default_factory=dict)
 
     def take(self) -> int | None:
         if self.next_index >= self.n:
@@ -217,13 +244,21 @@ class Run:
 
 
 async def _one(client: httpx.AsyncClient, body: bytes, run: Run) -> None:
-    try:
-        resp = await client.post("/v1/chat/completions", content=body, headers=_JSON)
+    """One request; a 503 (admission control) is sent again after its Retry-After (at most 2 s), as
+    OpenAI clients do, so every request of the mix reaches the engine."""
+    for _ in range(60):
+        try:
+            resp = await client.post("/v1/chat/completions", content=body, headers=_JSON)
+        except httpx.HTTPError as exc:
+            status = type(exc).__name__
+            break
         status = str(resp.status_code)
-        if resp.status_code != 200 and len(run.errors) < 5:
-            run.errors.append(f"{resp.status_code}: {resp.text[:200]}")
-    except httpx.HTTPError as exc:
-        status = type(exc).__name__
+        if resp.status_code != 503:
+            break
+        run.retries += 1
+        await asyncio.sleep(min(2.0, float(resp.headers.get("retry-after", 1))))
+    if status != "200" and len(run.errors) < 5:
+        run.errors.append(f"{status}: {resp.text[:200] if status.isdigit() else ''}")
     run.statuses[status] = run.statuses.get(status, 0) + 1
 
 
@@ -277,11 +312,13 @@ async def soak(base_url: str, root: int, args: argparse.Namespace) -> Run:
         filled = await fill_embedding_cache(client, args) if args.fill_embedding_cache else 0
         run = Run(args.n, filled=filled)
         await _sample(client, run, root)
+        run.maps_before = mapping_pss(root)
         deadline = run.started + args.max_seconds
         loops = [_client_loop(client, run, args, root, deadline) for _ in range(args.concurrency)]
         await asyncio.gather(*loops)
         if run.done % args.sample_every:
             await _sample(client, run, root)
+        run.maps_after = mapping_pss(root)
     return run
 
 
@@ -404,7 +441,7 @@ def report(run: Run, args: argparse.Namespace, title: str) -> int:
     print(table(run.samples))
     elapsed = run.samples[-1].seconds if run.samples else 0.0
     print(
-        f"\n{run.done} requests in {elapsed:.0f} s ({run.done / max(elapsed, 1e-9):.1f}/s); statuses {run.statuses}"
+        f"\n{run.done} requests in {elapsed:.0f} s ({run.done / max(elapsed, 1e-9):.1f}/s); statuses {run.statuses}, {run.retries} 503s retried"
     )
     if run.filled:
         print(f"the embedding cache was filled first ({run.filled} requests of distinct 1024x1024 images)")
@@ -412,6 +449,8 @@ def report(run: Run, args: argparse.Namespace, title: str) -> int:
         print(f"  error: {err}")
     print(verdict("PSS, all processes", growth(run.samples, Sample.total), args.target_pct))
     print(verdict("PSS, server process", growth(run.samples, Sample.server), args.target_pct))
+    print("the server's PSS by mapping, first sample to last (what grew):")
+    print("\n".join(mapping_growth(run.maps_before, run.maps_after)) or "  (none grew)")
     if run.done < args.n:
         print(f"NOTE: stopped by --max-seconds after {run.done} of {args.n} requests")
     RESULTS.mkdir(parents=True, exist_ok=True)
