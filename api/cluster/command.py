@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--encoder-workers",
         type=int,
         default=0,
-        help="processes of the shared encoder pool (PENDING: needs `vlmserve encoder`; 0 = each replica encodes)",
+        help="start one shared encoder pool (`vlmserve encoder`) of M processes for every replica "
+        "(default 0: each replica encodes its own images)",
     )
     p.add_argument(
         "--run-dir", type=Path, default=None, help="config, logs and cluster.json (default: a temp dir)"

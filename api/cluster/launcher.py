@@ -1,8 +1,10 @@
 """`vlmserve cluster`: N `vlmserve serve` replicas on this machine behind HAProxy, supervised.
 
-Start-up: the replicas (each its own process group, loopback ports, the shared Redis), then — once every
-replica answers /health — HAProxy on the public port, so the port opens only when the cluster can serve.
-While running: a replica that exits is restarted (with back-off) on its port, and HAProxy's health checks
+Start-up: the shared encoder pool if asked for (`vlmserve encoder`, on a Unix socket in the run directory:
+the replicas get embeddings from it as shared memory), the replicas (each its own process group, loopback
+ports, the shared Redis), then — once every replica answers /health — HAProxy on the public port, so the port
+opens only when the cluster can serve.
+While running: a replica (or the encoder pool) that exits is restarted (with back-off) on its port, and HAProxy's health checks
 take it out of rotation and back in. SIGINT/SIGTERM drains: HAProxy's soft stop closes the listener and
 waits for the requests in flight, then the replicas stop, then this process exits. A second signal stops
 everything at once. `cluster.json` in the run directory names every process (pids, ports, logs, the
@@ -115,6 +117,9 @@ class Cluster:
         self.replicas = [
             Replica(f"r{i}", base + i, [], self.run_dir / f"replica-r{i}.log") for i in range(local)
         ]
+        self.encoder, self.encoder_url = (
+            self._encoder_pool() if spec.encoder_workers and local else (None, None)
+        )
         for r in self.replicas:
             r.cmd = self._serve_cmd(r)
         self.balancer = spec.balancer or BalancerConfig(bind="", replicas=[], admin_socket="")
@@ -134,6 +139,18 @@ class Cluster:
 
     # ------------------------------------------------------------ start-up
 
+    def _encoder_pool(self) -> tuple[Replica, str]:
+        """The one `vlmserve encoder` every replica here sends its cache misses to (a process like a replica:
+        logged, restarted with back-off, stopped last)."""
+        sock = self.run_dir / "encoder.sock"
+        if len(str(sock)) > 100:  # NOTE: a Unix socket path has room for 107 bytes
+            sock = Path(tempfile.mkdtemp(prefix="vlmserve-enc-")) / "encoder.sock"
+        cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", self.spec.model, "--socket", str(sock)]
+        # NOTE: no Redis for the pool: the replicas here take embeddings as shared memory, and put them in the
+        # shared Redis themselves (under their own key prefix).
+        cmd += ["--workers", str(self.spec.encoder_workers)]
+        return Replica("encoder", 0, cmd, self.run_dir / "encoder.log"), f"unix://{sock}"
+
     def _serve_cmd(self, r: Replica) -> list[str]:
         cmd = [sys.executable, "-m", "api.cli", "serve", "--model", self.spec.model]
         if self.spec.served_model_names:
@@ -141,7 +158,8 @@ class Cluster:
         cmd += ["--host", "127.0.0.1", "--port", str(r.port), "--replica-name", r.name]
         if self.spec.redis_url:
             cmd += ["--redis-url", self.spec.redis_url]
-        cmd += encoder_pool_args(self.spec.encoder_workers)
+        if self.encoder is not None:
+            cmd += ["--encoder-url", self.encoder_url]
         if "--preprocess-workers" not in self.spec.serve_args:
             # NOTE: the replicas share this machine's cores; serve's own default assumes it has them all.
             cmd += ["--preprocess-workers", str(max(1, min(4, (os.cpu_count() or 1) // self.spec.replicas)))]
@@ -149,6 +167,9 @@ class Cluster:
 
     def start(self) -> None:
         haproxy = find_haproxy()
+        if self.encoder is not None:
+            self.encoder.start()
+            self._wait_encoder_ready()
         for r in self.replicas:
             r.start()
         self._write_state(ready=False)
@@ -171,6 +192,16 @@ class Cluster:
                 preexec_fn=_die_with_parent,
             )  # fmt: skip
         self._haproxy_started = time.monotonic()
+
+    def _wait_encoder_ready(self) -> None:
+        """Until the pool prints its ready line (its workers have loaded the tower and preprocessing runs)."""
+        pool, deadline = self.encoder, time.monotonic() + self.spec.startup_timeout_s
+        while "vlmserve encoder ready" not in pool.log_tail(100_000):
+            if pool.proc.poll() is not None:
+                raise ClusterError(f"the encoder pool exited with {pool.proc.returncode}:\n{pool.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the encoder pool was not ready in time; see {pool.log_path}")
+            time.sleep(0.1)
 
     def _wait_replicas_healthy(self) -> None:
         deadline = time.monotonic() + self.spec.startup_timeout_s
@@ -217,6 +248,14 @@ class Cluster:
             "haproxy_pid": self.haproxy.pid if self.haproxy else None,
             "admin_socket": self.balancer.admin_socket,
             "haproxy_log": str(self.run_dir / "haproxy.log"),
+            "encoder": None
+            if self.encoder is None
+            else {
+                "url": self.encoder_url,
+                "pid": self.encoder.proc and self.encoder.proc.pid,
+                "restarts": self.encoder.restarts,
+                "log": str(self.encoder.log_path),
+            },
             "replicas": [
                 {
                     "name": r.name,
@@ -240,7 +279,7 @@ class Cluster:
         while not stop.wait(0.2):
             now = time.monotonic()
             self._tend_balancer(now)
-            for r in self.replicas:
+            for r in self.replicas + ([self.encoder] if self.encoder else []):
                 self._tend(r, now)
 
     def _tend_balancer(self, now: float) -> None:
@@ -301,6 +340,10 @@ class Cluster:
             if r.proc is not None:
                 self._wait(r.proc, 30, force)
             r.signal_group(signal.SIGKILL)
+        if self.encoder is not None and self.encoder.proc is not None:
+            self.encoder.signal_group(signal.SIGTERM)
+            self._wait(self.encoder.proc, 30, force)
+            self.encoder.signal_group(signal.SIGKILL)
         self._write_state(ready=False)
         log.info("cluster stopped")
 
@@ -315,21 +358,6 @@ class Cluster:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-
-
-def encoder_pool_args(workers: int) -> list[str]:
-    """`vlmserve serve` flags that point a replica at the shared encoder pool.
-
-    PENDING: the pool is `vlmserve encoder` / `serve --encoder-url` (being built separately). Once it exists,
-    the launcher starts one pool of ``workers`` processes before the replicas and returns
-    ``["--encoder-url", <its address>]`` here. Until then every replica encodes in-process (0, the default).
-    """
-    if workers == 0:
-        return []
-    raise ClusterError(
-        "--encoder-workers needs the shared encoder pool (`vlmserve encoder`), which this build does not have "
-        "yet; leave it at 0 and each replica encodes images itself (embeddings are still shared through Redis)"
-    )
 
 
 def run_cluster(spec: ClusterSpec) -> int:

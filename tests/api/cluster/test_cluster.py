@@ -77,11 +77,13 @@ class RunningCluster:
         raise AssertionError(f"no session id maps to {name}")
 
 
-def start_cluster(tmp: Path, ckpt: Path, redis_url: str, replicas: int) -> RunningCluster:
+def start_cluster(
+    tmp: Path, ckpt: Path, redis_url: str, replicas: int, encoder_workers: int = 0
+) -> RunningCluster:
     port = free_port()
     base = free_port()
     cmd = [
-        sys.executable, "-m", "api.cli", "cluster",
+        sys.executable, "-m", "api.cli", "cluster", "--encoder-workers", str(encoder_workers),
         "--replicas", str(replicas), "--model", str(ckpt), "--served-model-name", "tiny",
         "--port", str(port), "--replica-base-port", str(base), "--run-dir", str(tmp),
         "--redis-url", redis_url, "--drain-timeout", "60",
@@ -224,6 +226,44 @@ def test_text_requests_spread_over_both_replicas(healthy):
         resps = list(pool.map(lambda i: healthy.chat(text(f"Say {i}", max_tokens=32)), range(8)))
     assert {r.status_code for r in resps} == {200}
     assert {r.headers["x-vlmserve-replica"] for r in resps} == {"r0", "r1"}
+
+
+def test_replicas_share_one_encoder_pool(haproxy_bin, redis_url, tiny_ckpt, single_server, tmp_path):
+    """--encoder-workers 1: one `vlmserve encoder` for both replicas; every new image is encoded there (the
+    replicas' counters of pool requests add up to the distinct images) and the answers equal one server's."""
+    c = start_cluster(tmp_path, tiny_ckpt, redis_url, replicas=2, encoder_workers=1)
+    try:
+        pool = c.state["encoder"]
+        assert pool["url"].startswith("unix://") and pool["pid"], pool
+        images = [make_image(176, 132, 9000 + i + os.getpid() % 1000) for i in range(6)]  # new to Redis
+        homes = set()
+        for i, image in enumerate(images):
+            body = {**ask_image(image, f"Describe {i}."), "temperature": 0, "max_tokens": 8}
+            got = c.chat({**body, "return_token_ids": True})
+            want = single_server.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+            assert got.status_code == want.status_code == 200, got.text
+            assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+            homes.add(got.headers["x-vlmserve-replica"])
+        sent = [
+            metrics(c.replica(n)["url"]).get("vlmserve_encoder_remote_requests_total", 0)
+            for n in ("r0", "r1")
+        ]
+        assert homes == {"r0", "r1"} and sum(sent) == len(images), (homes, sent)
+    finally:
+        assert stop_cluster(c) == 0, (c.run_dir / "launcher.log").read_text()[-3000:]
+    deadline = (
+        time.monotonic() + 60
+    )  # the pool stops with the cluster (and is reaped once its parent is gone)
+    while Path(f"/proc/{pool['pid']}").exists() and "Z" not in _proc_state(pool["pid"]):
+        assert time.monotonic() < deadline, "the encoder pool outlived its cluster"
+        time.sleep(0.1)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
 
 
 # ---------------------------------------------------------------- failures

@@ -42,14 +42,6 @@ def test_flags_the_cluster_owns_and_typos_are_refused_before_starting(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing was started or written
 
 
-def test_encoder_workers_says_the_pool_is_pending(haproxy_bin, tmp_path):
-    out = vlmserve(
-        "cluster", "--model", str(tmp_path), "--encoder-workers", "2", "--run-dir", str(tmp_path / "run")
-    )
-    assert out.returncode == 1
-    assert "--encoder-workers needs the shared encoder pool" in out.stderr
-
-
 def test_balancer_config_refuses_a_key_that_cannot_fit_the_window():
     cfg = BalancerConfig(
         bind="127.0.0.1:1", replicas=[("r0", "127.0.0.1:2")], admin_socket="/x", key_chars=65536
