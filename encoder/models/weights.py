@@ -1,29 +1,32 @@
-"""The vision tower's tensors, read straight from a local checkpoint's safetensors (single file or sharded).
+"""Reading tensors from a local Hugging Face checkpoint directory (single file or sharded index), for the
+vision towers and the decoders alike.
 
-With a sharded index only the shards that hold a wanted tensor are opened, so a tower loads without
-reading the decoder's shards."""
+With a sharded index and name prefixes, only the shards that hold a wanted tensor are opened (the vision
+tower loads without reading the decoder's shards)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 
-def _files_by_name(path: Path) -> dict[Path, list[str] | None]:
-    """Shard → the tensor names it holds (``None``: every name in the file)."""
+def checkpoint_shards(path: str | Path) -> dict[Path, list[str] | None]:
+    """Shard → the tensor names the index says it holds (``None`` for a single file: every name in it)."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files: dict[Path, list[str] | None] = {}
-        for name, shard in weight_map.items():
-            files.setdefault(path / shard, []).append(name)
-        for f in files:
+        shards: dict[Path, list[str] | None] = {}
+        for name, shard in sorted(weight_map.items(), key=lambda kv: kv[1]):
+            shards.setdefault(path / shard, []).append(name)
+        for f in shards:
             if not f.is_file():
                 raise FileNotFoundError(f"checkpoint {path}: shard {f.name} named in {index.name} is missing")
-        return files
+        return shards
     single = path / "model.safetensors"
     if single.is_file():
         return {single: None}
@@ -32,14 +35,19 @@ def _files_by_name(path: Path) -> dict[Path, list[str] | None]:
     )
 
 
-def read_tensors(path: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with one of ``prefixes``, by its checkpoint name."""
-    out: dict[str, torch.Tensor] = {}
-    for file, names in _files_by_name(Path(path)).items():
-        if names is not None and not any(n.startswith(prefixes) for n in names):
+def iter_checkpoint_tensors(
+    path: str | Path, prefixes: tuple[str, ...] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor, or for those whose name starts with one of ``prefixes``."""
+    for file, names in checkpoint_shards(path).items():
+        if prefixes is not None and names is not None and not any(n.startswith(prefixes) for n in names):
             continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.startswith(prefixes):
-                    out[name] = f.get_tensor(name)
-    return out
+                if prefixes is None or name.startswith(prefixes):
+                    yield name, f.get_tensor(name)
+
+
+def read_tensors(path: str | Path, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every tensor whose name starts with one of ``prefixes``, by its checkpoint name."""
+    return dict(iter_checkpoint_tensors(path, prefixes))

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
-from lm_engine.models.weights import iter_checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}

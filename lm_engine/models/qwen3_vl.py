@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.qwen2_vl import _DTYPES, MLP, MRotaryEmbedding, RMSNorm, _rotate_half
-from lm_engine.models.weights import iter_checkpoint_tensors
 
 
 @dataclass(slots=True)
