@@ -241,7 +241,9 @@ def test_request_that_reached_a_dying_replica_fails_and_is_not_resent(stub_clust
     assert resp.json()["error"]["code"] == "replica_failed"
     assert resp.headers["x-vlmserve-replica"] == "r1"
     line = stub_cluster.log_line("doomed")
-    assert line["server"] == "r1" and line["retries"] == "0" and line["term"].startswith("S"), line
+    # NOTE: S (the replica's side broke) or D (its checks failed first and HAProxy cut its sessions): which
+    # one HAProxy notices first is a race between the kill and the health checks; either way it reached r1.
+    assert line["server"] == "r1" and line["retries"] == "0" and line["term"][0] in "SD", line
     assert len(stub_cluster.stubs["r0"].seen) == before  # never re-sent
 
 
