@@ -11,6 +11,21 @@ from encoder.attention import KernelAttention, VarlenAttention, choose_attention
 from encoder.models.weights import read_tensors
 
 
+class PatchGeometry:
+    """What every tower config derives from its fields (embed_dim, num_heads, in_channels, patch_size,
+    temporal_patch_size): one attention head's width and one flattened patch's length."""
+
+    __slots__ = ()
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 class VisionTower(nn.Module):
     """Contract: ``forward(pixel_values [Σ patches, C·T·P·P], grid_thw [images, 3])`` → the merged rows of
     every image, in order ([Σ patches / merge², out_dim], the tower's dtype); an image's rows do not depend

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from encoder.attention import Segments, VarlenAttention
-from encoder.models.base import VisionTower
+from encoder.models.base import PatchGeometry, VisionTower
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
     Attention,
@@ -25,7 +25,7 @@ from encoder.models.qwen2_vl import (
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen25VisionConfig:
+class Qwen25VisionConfig(PatchGeometry):
     depth: int
     embed_dim: int
     num_heads: int
@@ -39,14 +39,6 @@ class Qwen25VisionConfig:
     window_size: int
     fullatt_block_indexes: tuple[int, ...]
     rope_theta: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
     def from_config(cls, config: dict) -> Qwen25VisionConfig:

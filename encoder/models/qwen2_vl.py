@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from encoder.attention import Segments, VarlenAttention, cpu_kernel
-from encoder.models.base import VisionTower
+from encoder.models.base import PatchGeometry, VisionTower
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -26,7 +26,7 @@ ACTIVATIONS = {
 
 
 @dataclass(frozen=True, slots=True)
-class VisionConfig:
+class VisionConfig(PatchGeometry):
     depth: int
     embed_dim: int
     num_heads: int
@@ -38,14 +38,6 @@ class VisionConfig:
     temporal_patch_size: int
     spatial_merge_size: int
     rope_theta: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
     def from_config(cls, config: dict) -> VisionConfig:

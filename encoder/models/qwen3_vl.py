@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from encoder.attention import Segments, VarlenAttention
-from encoder.models.base import VisionTower
+from encoder.models.base import PatchGeometry, VisionTower
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
     Attention,
@@ -28,7 +28,7 @@ from encoder.models.qwen2_vl import (
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(PatchGeometry):
     depth: int
     embed_dim: int
     num_heads: int
@@ -42,14 +42,6 @@ class Qwen3VisionConfig:
     num_position_embeddings: int
     deepstack_indexes: tuple[int, ...]
     rope_theta: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @classmethod
     def from_config(cls, config: dict) -> Qwen3VisionConfig:
