@@ -236,10 +236,12 @@ def test_replicas_share_one_encoder_pool(haproxy_bin, redis_url, tiny_ckpt, sing
         pool = c.state["encoder"]
         assert pool["url"].startswith("unix://") and pool["pid"], pool
         images = [make_image(176, 132, 9000 + i + os.getpid() % 1000) for i in range(6)]  # new to Redis
+        sessions = {name: c.session_for(name) for name in ("r0", "r1")}
         homes = set()
         for i, image in enumerate(images):
             body = {**ask_image(image, f"Describe {i}."), "temperature": 0, "max_tokens": 8}
-            got = c.chat({**body, "return_token_ids": True})
+            # NOTE: sent half to each replica by session, so both draw on the pool whatever the images hash to
+            got = c.chat({**body, "return_token_ids": True}, **{"x-session-id": sessions[f"r{i % 2}"]})
             want = single_server.post("/v1/chat/completions", json={**body, "return_token_ids": True})
             assert got.status_code == want.status_code == 200, got.text
             assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
