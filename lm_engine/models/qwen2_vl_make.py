@@ -133,6 +133,27 @@ PRESETS: dict[str, Preset] = {
         corpus_words=3000,
         corpus_lines=12000,
     ),
+    # The embedded demo model (trained by `vlmserve train-demo`): the tiny preset's tokenizer, a tower wide
+    # and deep enough to read digits, a small decoder (five question phrasings need little language).
+    "demo": Preset(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        mrope_section=(8, 12, 12),
+        rope_theta=10000.0,
+        vision_depth=8,
+        vision_embed_dim=256,
+        vision_heads=4,
+        vision_mlp_ratio=4,
+        dtype="bfloat16",
+        min_pixels=3136,
+        max_pixels=100352,  # 128 visual tokens: the ladder then spans 128, 64, 32 and 4 tokens
+        corpus_words=3000,
+        corpus_lines=12000,
+    ),
     "small": Preset(
         vocab_size=8192,
         hidden_size=768,

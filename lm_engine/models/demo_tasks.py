@@ -1,0 +1,241 @@
+"""The demo model's synthetic task set: images drawn with PIL, questions with one exact answer each.
+
+Five questions, in exactly these phrasings (the README lists them):
+
+- "What color is the shape?"   -> red | green | blue | yellow | orange | purple | black | white
+- "What shape is this?"        -> circle | square | triangle
+- "How many shapes are there?" -> 1 ... 6
+- "What number is written?"    -> the 1-4 digit number
+- "Describe the image."        -> "a red circle", "3 shapes" or "the number 4071"
+
+Images are 64 to 1024 px per side with aspect ratios from 1:3 to 3:1, on plain or lightly noisy
+backgrounds, stored as JPEG or PNG. Numbers are dark DejaVu Sans digits on a light background, glyph
+heights 12 to 120 px, anywhere in the image; a glyph is at least 1/20 of the image's longer side, so
+every number is legible at the model's full visual budget and lower budgets cost accuracy.
+
+Everything is a pure function of the seed: ``sample(seed, index)`` gives the same image bytes,
+question and answer on every machine with the same Pillow and font.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 35, 35),
+    "green": (40, 160, 60),
+    "blue": (40, 70, 210),
+    "yellow": (240, 220, 40),
+    "orange": (245, 140, 20),
+    "purple": (135, 50, 170),
+    "black": (20, 20, 20),
+    "white": (245, 245, 245),
+}
+SHAPES = ("circle", "square", "triangle")
+QUESTIONS = {
+    "color": "What color is the shape?",
+    "shape": "What shape is this?",
+    "count": "How many shapes are there?",
+    "number": "What number is written?",
+    "describe": "Describe the image.",
+}
+TASKS = tuple(QUESTIONS)
+# What each kind of image can be asked: a single shape answers color, shape, count (1) and describe.
+KIND_TASKS = {
+    "single": ("color", "shape", "count", "describe"),
+    "many": ("count", "describe"),
+    "number": ("number", "describe"),
+}
+MIN_SIDE, MAX_SIDE = 64, 1024
+MIN_GLYPH, MAX_GLYPH = 12, 120
+FONT_PATHS = (
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """One image with every question it answers; ``data`` is the encoded file (``fmt`` JPEG or PNG)."""
+
+    kind: str
+    data: bytes
+    fmt: str
+    size: tuple[int, int]
+    qa: dict[str, str]  # task -> answer
+
+    def question(self, task: str) -> str:
+        return QUESTIONS[task]
+
+
+def font_path() -> str:
+    for path in FONT_PATHS:
+        if Path(path).is_file():
+            return path
+    raise FileNotFoundError(
+        "DejaVu Sans not found (looked in " + ", ".join(FONT_PATHS) + "): install the Debian package "
+        "fonts-dejavu-core (bin/setup does this)"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _font(px: int) -> ImageFont.FreeTypeFont:
+    return ImageFont.truetype(font_path(), px)
+
+
+def _jitter(rgb: tuple[int, int, int], rng: random.Random, amount: int = 18) -> tuple[int, int, int]:
+    return tuple(max(0, min(255, c + rng.randint(-amount, amount))) for c in rgb)  # type: ignore[return-value]
+
+
+def _canvas(rng: random.Random) -> tuple[int, int]:
+    """(width, height): the longer side log-uniform in [64, 1024], aspect ratio in [1:3, 3:1]."""
+    long_side = round(math.exp(rng.uniform(math.log(MIN_SIDE), math.log(MAX_SIDE))))
+    ratio = math.exp(rng.uniform(0.0, math.log(3.0)))
+    short_side = max(MIN_SIDE, round(long_side / ratio))
+    return (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
+
+
+def _background(size: tuple[int, int], rgb: tuple[int, int, int], rng: random.Random) -> Image.Image:
+    """A plain background, or (one in three) the same colour with light per-pixel noise."""
+    img = Image.new("RGB", size, _jitter(rgb, rng, 10))
+    return _add_noise(img, rng) if rng.random() < 1 / 3 else img
+
+
+def _add_noise(img: Image.Image, rng: random.Random) -> Image.Image:
+    noise = Image.effect_noise(img.size, rng.uniform(8, 20)).convert("RGB")  # grey noise around 128
+    return Image.blend(img, noise, rng.uniform(0.04, 0.10))
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, rgb, rng) -> None:
+    """A filled shape inscribed in the circle of radius ``r`` around (cx, cy)."""
+    if kind == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rgb)
+    elif kind == "square":
+        h = r * rng.uniform(0.75, 0.95)
+        draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=rgb)
+    else:
+        turn = rng.uniform(-0.25, 0.25)  # mostly upright
+        pts = [
+            (cx + r * math.sin(turn + k * 2 * math.pi / 3), cy - r * math.cos(turn + k * 2 * math.pi / 3))
+            for k in range(3)
+        ]
+        draw.polygon(pts, fill=rgb)
+
+
+def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+    w, h = _canvas(rng)
+    color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    bg = rng.choice([c for c in COLORS if c != color] + ["grey"])
+    img = _background((w, h), (128, 128, 128) if bg == "grey" else COLORS[bg], rng)
+    r = min(w, h) / 2 * rng.uniform(0.3, 0.85)
+    cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
+    _draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
+    qa = {"color": color, "shape": shape, "count": "1", "describe": f"a {color} {shape}"}
+    return img, qa
+
+
+def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+    """2-6 non-overlapping shapes of mixed colours and kinds on a background none of them shares."""
+    while True:
+        w, h = _canvas(rng)
+        n = rng.randint(2, 6)
+        bg = rng.choice([*COLORS, "grey"])
+        # Shapes sized so that n of them fit: radius from the area each one gets.
+        r_max = min(min(w, h) / 4.5, math.sqrt(w * h / (n * math.pi)) / 2.2)
+        if r_max < 6:
+            continue
+        circles: list[tuple[float, float, float]] = []
+        for _ in range(200 * n):
+            if len(circles) == n:
+                break
+            r = rng.uniform(max(5.0, 0.55 * r_max), r_max)
+            cx, cy = rng.uniform(r + 1, w - r - 1), rng.uniform(r + 1, h - r - 1)
+            if all(math.hypot(cx - x, cy - y) > r + q + 0.15 * (r + q) for x, y, q in circles):
+                circles.append((cx, cy, r))
+        if len(circles) == n:
+            break
+    img = _background((w, h), (128, 128, 128) if bg == "grey" else COLORS[bg], rng)
+    draw = ImageDraw.Draw(img)
+    palette = [c for c in COLORS if c != bg]
+    for cx, cy, r in circles:
+        _draw_shape(draw, rng.choice(SHAPES), cx, cy, r, _jitter(COLORS[rng.choice(palette)], rng), rng)
+    return img, {"count": str(n), "describe": f"{n} shapes"}
+
+
+def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+    """A 1-4 digit number, dark on light, glyph height in [12, 120] px and >= 1/20 of the longer side."""
+    while True:
+        w, h = _canvas(rng)
+        digits = rng.randint(1, 4)
+        text = str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
+        lo = max(MIN_GLYPH, math.ceil(max(w, h) / 20))
+        # The digits' ink is ~0.73 of the font size tall and ~0.64 of it wide per digit.
+        hi = min(MAX_GLYPH, int((h - 4) * 0.95), int((w - 4) / (0.64 * digits / 0.73 + 0.1)))
+        if hi >= lo:
+            break
+    glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+    font = _font(max(6, round(glyph / 0.73)))
+    left, top, right, bottom = font.getbbox(text)
+    tw, th = right - left, bottom - top
+    if tw > w - 2 or th > h - 2:  # rounding pushed it past the edge: shrink to fit
+        font = _font(max(6, int(font.size * min((w - 2) / tw, (h - 2) / th))))
+        left, top, right, bottom = font.getbbox(text)
+        tw, th = right - left, bottom - top
+    light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
+    img = _background((w, h), light, rng)
+    x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
+    dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
+    ImageDraw.Draw(img).text((x, y), text, font=font, fill=dark)
+    return img, {"number": text, "describe": f"the number {text}"}
+
+
+_MAKERS = {"single": _single, "many": _many, "number": _number}
+KINDS = tuple(_MAKERS)
+
+
+def sample(seed: int, index: int, kind: str | None = None) -> Example:
+    """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind."""
+    rng = random.Random(f"vlmserve-demo:{seed}:{index}")
+    kind = kind or rng.choice(KINDS)
+    img, qa = _MAKERS[kind](rng)
+    fmt = "JPEG" if rng.random() < 0.5 else "PNG"
+    buf = io.BytesIO()
+    if fmt == "JPEG":
+        img.save(buf, format="JPEG", quality=rng.randint(80, 95))
+    else:
+        img.save(buf, format="PNG", compress_level=1)
+    return Example(kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa)
+
+
+def eval_set(seed: int, per_task: int) -> list[tuple[Example, str]]:
+    """(example, task) pairs: ``per_task`` distinct images for each of the five questions."""
+    out: list[tuple[Example, str]] = []
+    index = 0
+    for task in TASKS:
+        kinds = [k for k, tasks in KIND_TASKS.items() if task in tasks]
+        for i in range(per_task):
+            # Counting sees one shape a sixth of the time (1 of 6 answers); describe sees every kind.
+            if task == "count":
+                kind = "single" if i % 6 == 0 else "many"
+            else:
+                kind = kinds[i % len(kinds)]
+            out.append((sample(seed, index, kind), task))
+            index += 1
+    return out
+
+
+def mime(example: Example) -> str:
+    return "image/jpeg" if example.fmt == "JPEG" else "image/png"
+
+
+def normalize(answer: str) -> str:
+    """How replies are scored: exact match after stripping whitespace and case."""
+    return answer.strip().lower()

@@ -1,0 +1,308 @@
+"""``vlmserve train-demo``: train the demo Qwen2-VL checkpoint on the synthetic task set.
+
+Deterministic for a seed on a given machine: batch ``b`` holds task-set examples ``[b*B, (b+1)*B)``, the
+weights start from transformers' own initialisation under a fixed seed, and the run is a fixed number of
+optimizer steps (never "as many as fit in the time"). Each image is encoded once per step and every
+question it answers is a separate sequence reusing its embedding, so one vision forward/backward pays for
+two to four answers. Some images are shown at a lower visual budget (the server's ladder), so the model
+degrades gracefully when the budget controller lowers it.
+
+Progress (step, loss, exact-match accuracy on the batch, images/s, ETA) goes to stderr; every
+``eval_every`` steps the held-out accuracy per task is measured by teacher forcing, which equals greedy
+exact match: every answer token and the end of turn predicted correctly.
+
+The checkpoint written is a normal Qwen2-VL directory (the generator's config, tokenizer, chat template
+and processor config; bf16 weights under the original key names) that transformers and vlmserve load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lm_engine.models import demo_tasks as tasks
+from lm_engine.models.qwen2_vl_make import (
+    PRESETS,
+    build_config,
+    make_checkpoint,
+    original_name,
+    token_ids,
+)
+
+PRESET = "demo"
+SYSTEM = "You are a helpful assistant."
+# Image kinds per batch: numbers are the hardest task, so they get the largest share.
+KIND_WEIGHTS = {"single": 0.3, "many": 0.3, "number": 0.4}
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 2400
+    batch_images: int = 8
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 100
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    low_budget_prob: float = 0.3  # share of images preprocessed at 50 % or 25 % of max_pixels
+    eval_every: int = 200
+    eval_per_task: int = 40
+    eval_seed: int = 10_000  # held out: training draws from `seed`
+    threads: int = 2
+
+
+# ---------------------------------------------------------------- data
+
+
+class Encoder:
+    """Examples -> token ids with loss masks, and pixel patches through the server's own preprocessing."""
+
+    def __init__(self, checkpoint_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        from preprocess.config import PreprocessConfig
+
+        self.tok = Tokenizer.from_file(str(checkpoint_dir / "tokenizer.json"))
+        self.pre = PreprocessConfig.from_checkpoint(checkpoint_dir, resize_backend="pil")
+        self.ids = token_ids(PRESET)
+        self.image_pad = self.ids["<|image_pad|>"]
+        self.end = self.ids["<|im_end|>"]
+
+    def prompt(self, question: str, n_image_tokens: int) -> list[int]:
+        text = (
+            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+            + "<|image_pad|>" * n_image_tokens
+            + f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+        )
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def answer(self, text: str) -> list[int]:
+        return [*self.tok.encode(text, add_special_tokens=False).ids, self.end]
+
+    def pixels(self, ex: tasks.Example, max_pixels: int):
+        from preprocess.image import preprocess
+
+        p = preprocess(ex.data, self.pre, max_pixels)
+        return torch.from_numpy(p.patches), p.grid_thw
+
+
+def budget_ladder(max_pixels: int, min_pixels: int) -> list[int]:
+    from lm_engine.visual_budget import default_ladder
+
+    return default_ladder(max_pixels, min_pixels)
+
+
+def make_batch(enc: Encoder, examples: list[tasks.Example], max_pixels: list[int], task_filter=None) -> dict:
+    """One step's tensors: the images' patches and one sequence per (image, question it answers)."""
+    patches, grids, seqs = [], [], []
+    for i, (ex, mp) in enumerate(zip(examples, max_pixels)):
+        pv, grid = enc.pixels(ex, mp)
+        patches.append(pv)
+        grids.append(grid)
+        n_tok = grid[0] * grid[1] * grid[2] // 4
+        for task, ans in ex.qa.items():
+            if task_filter is not None and task != task_filter:
+                continue
+            prompt, answer = enc.prompt(tasks.QUESTIONS[task], n_tok), enc.answer(ans)
+            seqs.append((i, task, prompt, answer))
+    length = max(len(p) + len(a) for _, _, p, a in seqs)
+    ids = torch.full((len(seqs), length), enc.ids["<|endoftext|>"], dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    labels = torch.full((len(seqs), length), -100, dtype=torch.long)
+    for row, (_, _, prompt, answer) in enumerate(seqs):
+        full = prompt + answer
+        ids[row, : len(full)] = torch.tensor(full)
+        mask[row, : len(full)] = 1
+        # position t predicts token t+1: the answer's tokens are predicted from the positions before them
+        labels[row, len(prompt) - 1 : len(full) - 1] = torch.tensor(answer)
+    return {
+        "pixel_values": torch.cat(patches),
+        "grid_thw": torch.tensor(grids, dtype=torch.long),
+        "image_of_seq": torch.tensor([i for i, *_ in seqs]),
+        "tasks": [t for _, t, _, _ in seqs],
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+    }
+
+
+class TrainBatches(torch.utils.data.IterableDataset):
+    """Batch ``b`` is a pure function of (seed, b): kinds, images and budgets drawn from their own RNG."""
+
+    def __init__(self, checkpoint_dir: Path, cfg: TrainConfig, start: int = 0) -> None:
+        self.dir, self.cfg, self.start = checkpoint_dir, cfg, start
+
+    def __iter__(self):
+        import random
+
+        torch.set_num_threads(1)
+        enc = Encoder(self.dir)
+        ladder = budget_ladder(enc.pre.max_pixels, enc.pre.min_pixels)
+        kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        for b in range(self.start, self.cfg.steps):
+            rng = random.Random(f"vlmserve-demo-batch:{self.cfg.seed}:{b}")
+            examples, budgets = [], []
+            for j in range(self.cfg.batch_images):
+                kind = rng.choices(kinds, weights)[0]
+                examples.append(tasks.sample(self.cfg.seed, b * self.cfg.batch_images + j, kind))
+                low = rng.random() < self.cfg.low_budget_prob
+                budgets.append(rng.choice(ladder[1:3]) if low and len(ladder) > 2 else ladder[0])
+            yield make_batch(enc, examples, budgets)
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model(seed: int) -> torch.nn.Module:
+    import transformers
+
+    config = build_config(PRESET)
+    cfg = transformers.Qwen2VLConfig(
+        **{k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).float()
+    model.train()
+    return model
+
+
+def forward(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mean loss, per-sequence exact match [S] bool, per-sequence answer-token count [S])."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    inner = model.model
+    feats = inner.get_image_features(batch["pixel_values"], batch["grid_thw"], return_dict=True).pooler_output
+    per_seq = tuple(feats[i] for i in batch["image_of_seq"].tolist())
+    ids = batch["input_ids"]
+    image_pad = model.config.image_token_id
+    out = inner(
+        input_ids=ids,
+        attention_mask=batch["attention_mask"],
+        image_grid_thw=batch["grid_thw"][batch["image_of_seq"]],
+        mm_token_type_ids=(ids == image_pad).int(),
+        mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=per_seq)},
+        use_cache=False,
+    )
+    labels = batch["labels"]
+    where = labels != -100
+    logits = model.lm_head(out.last_hidden_state[where]).float()
+    target = labels[where]
+    loss = torch.nn.functional.cross_entropy(logits, target)
+    hit = torch.zeros_like(labels, dtype=torch.bool)
+    hit[where] = logits.argmax(-1) == target
+    exact = (hit | ~where).all(dim=1)
+    return loss, exact, where.sum(dim=1)
+
+
+def evaluate(
+    model, enc: Encoder, cfg: TrainConfig, examples, max_pixels: int | None = None
+) -> dict[str, float]:
+    """Held-out exact-match accuracy per task (teacher forcing == greedy exact match)."""
+    model.eval()
+    hits: dict[str, list[bool]] = defaultdict(list)
+    mp = max_pixels or enc.pre.max_pixels
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for start in range(0, len(examples), 8):
+            chunk = examples[start : start + 8]
+            for task in {t for _, t in chunk}:
+                exs = [e for e, t in chunk if t == task]
+                batch = make_batch(enc, exs, [mp] * len(exs), task_filter=task)
+                _, exact, _ = forward(model, batch)
+                hits[task].extend(exact.tolist())
+    model.train()
+    return {t: sum(v) / len(v) for t, v in sorted(hits.items())}
+
+
+# ---------------------------------------------------------------- training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Path:
+    """Train and write the checkpoint directory; returns its path."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    out = Path(out_dir)
+    make_checkpoint(
+        out, preset=PRESET, seed=cfg.seed
+    )  # config, tokenizer, templates (weights replaced below)
+    torch.set_num_threads(cfg.threads)
+    model = build_model(cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[train-demo] {n_params / 1e6:.1f}M parameters, {cfg.steps} steps of {cfg.batch_images} images")
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
+    enc = Encoder(out)
+    held_out = tasks.eval_set(cfg.eval_seed, cfg.eval_per_task)
+    loader = torch.utils.data.DataLoader(
+        TrainBatches(out, cfg), batch_size=None, num_workers=1, prefetch_factor=4, persistent_workers=False
+    )
+    t0 = time.perf_counter()
+    seen = 0
+    recent: list[tuple[float, float]] = []
+    for step, batch in enumerate(loader):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, exact, _ = forward(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        seen += cfg.batch_images
+        recent = [*recent[-49:], (loss.item(), exact.float().mean().item())]
+        if step % 20 == 0 or step == cfg.steps - 1:
+            dt = time.perf_counter() - t0
+            eta = dt / (step + 1) * (cfg.steps - step - 1)
+            mean_loss = sum(r[0] for r in recent) / len(recent)
+            mean_acc = sum(r[1] for r in recent) / len(recent)
+            log(
+                f"[train-demo] step {step + 1}/{cfg.steps} loss {mean_loss:.3f} batch-exact {mean_acc:.2f} "
+                f"{seen / dt:.1f} img/s elapsed {dt / 60:.1f} min eta {eta / 60:.1f} min"
+            )
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+            acc = evaluate(model, enc, cfg, held_out)
+            log("[train-demo] held-out exact match: " + " ".join(f"{t} {a:.2f}" for t, a in acc.items()))
+    save_weights(model, out)
+    meta = {
+        "train_config": dataclasses.asdict(cfg),
+        "parameters": n_params,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "torch": torch.__version__,
+    }
+    (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
+    return out
+
+
+def save_weights(model: torch.nn.Module, out: Path) -> None:
+    """bf16 weights under the original (pre-v5) Qwen2-VL key names, as released checkpoints store them."""
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, PRESETS[PRESET].dtype)
+    tensors = {
+        original_name(name): t.detach().to(dtype).contiguous() for name, t in model.state_dict().items()
+    }
+    path = out / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    path.chmod(0o644)
