@@ -39,6 +39,18 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "white": (245, 245, 245),
 }
 SHAPES = ("circle", "square", "triangle")
+# Shape images sit on neutral backgrounds that are none of the named colours: mid greys and muted tints,
+# away from both black and white, so "the shape's colour" is never ambiguous with the background's.
+BACKGROUNDS: tuple[tuple[int, int, int], ...] = (
+    (128, 128, 128),
+    (96, 96, 96),
+    (170, 170, 170),
+    (190, 180, 160),
+    (150, 165, 180),
+    (165, 180, 155),
+    (180, 160, 170),
+    (110, 105, 95),
+)
 QUESTIONS = {
     "color": "What color is the shape?",
     "shape": "What shape is this?",
@@ -133,9 +145,8 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: f
 def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
     w, h = _canvas(rng)
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
-    bg = rng.choice([c for c in COLORS if c != color] + ["grey"])
-    img = _background((w, h), (128, 128, 128) if bg == "grey" else COLORS[bg], rng)
-    r = min(w, h) / 2 * rng.uniform(0.3, 0.85)
+    img = _background((w, h), rng.choice(BACKGROUNDS), rng)
+    r = min(w, h) / 2 * rng.uniform(0.25, 0.7)  # under 40 % of the area: the shape is the minority colour
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     _draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
     qa = {"color": color, "shape": shape, "count": "1", "describe": f"a {color} {shape}"}
@@ -143,11 +154,10 @@ def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
 
 
 def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
-    """2-6 non-overlapping shapes of mixed colours and kinds on a background none of them shares."""
+    """2-6 non-overlapping shapes of mixed colours and kinds on a neutral background."""
     while True:
         w, h = _canvas(rng)
         n = rng.randint(2, 6)
-        bg = rng.choice([*COLORS, "grey"])
         # Shapes sized so that n of them fit: radius from the area each one gets.
         r_max = min(min(w, h) / 4.5, math.sqrt(w * h / (n * math.pi)) / 2.2)
         if r_max < 6:
@@ -162,11 +172,10 @@ def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
                 circles.append((cx, cy, r))
         if len(circles) == n:
             break
-    img = _background((w, h), (128, 128, 128) if bg == "grey" else COLORS[bg], rng)
+    img = _background((w, h), rng.choice(BACKGROUNDS), rng)
     draw = ImageDraw.Draw(img)
-    palette = [c for c in COLORS if c != bg]
     for cx, cy, r in circles:
-        _draw_shape(draw, rng.choice(SHAPES), cx, cy, r, _jitter(COLORS[rng.choice(palette)], rng), rng)
+        _draw_shape(draw, rng.choice(SHAPES), cx, cy, r, _jitter(COLORS[rng.choice(list(COLORS))], rng), rng)
     return img, {"count": str(n), "describe": f"{n} shapes"}
 
 
