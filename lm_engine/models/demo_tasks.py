@@ -83,6 +83,9 @@ class Example:
     fmt: str
     size: tuple[int, int]
     qa: dict[str, str]  # task -> answer
+    # (x, y, label) of every object's centre in image pixels: label is a shape name or a digit, and a
+    # shape's colour name follows after a space ("circle red"). Training reads them; scoring never does.
+    objects: tuple[tuple[float, float, str], ...] = ()
 
     def question(self, task: str) -> str:
         return QUESTIONS[task]
@@ -142,7 +145,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: f
         draw.polygon(pts, fill=rgb)
 
 
-def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     w, h = _canvas(rng)
     color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
     img = _background((w, h), rng.choice(BACKGROUNDS), rng)
@@ -150,10 +153,10 @@ def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     _draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
     qa = {"color": color, "shape": shape, "count": "1", "describe": f"a {color} {shape}"}
-    return img, qa
+    return img, qa, ((cx, cy, f"{shape} {color}"),)
 
 
-def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     """2-6 non-overlapping shapes of mixed colours and kinds on a neutral background."""
     while True:
         w, h = _canvas(rng)
@@ -174,12 +177,16 @@ def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
             break
     img = _background((w, h), rng.choice(BACKGROUNDS), rng)
     draw = ImageDraw.Draw(img)
+    objects = []
     for cx, cy, r in circles:
-        _draw_shape(draw, rng.choice(SHAPES), cx, cy, r, _jitter(COLORS[rng.choice(list(COLORS))], rng), rng)
-    return img, {"count": str(n), "describe": f"{n} shapes"}
+        shape = rng.choice(SHAPES)
+        color = rng.choice(list(COLORS))
+        _draw_shape(draw, shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
+        objects.append((cx, cy, f"{shape} {color}"))
+    return img, {"count": str(n), "describe": f"{n} shapes"}, tuple(objects)
 
 
-def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
+def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     """A 1-4 digit number, dark on light, glyph height in [12, 120] px and >= 1/20 of the longer side."""
     while True:
         w, h = _canvas(rng)
@@ -203,7 +210,11 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
     x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
     dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
     ImageDraw.Draw(img).text((x, y), text, font=font, fill=dark)
-    return img, {"number": text, "describe": f"the number {text}"}
+    mid_y = y + top + th / 2
+    objects = tuple(
+        (x + font.getlength(text[:i]) + font.getlength(ch) / 2, mid_y, ch) for i, ch in enumerate(text)
+    )
+    return img, {"number": text, "describe": f"the number {text}"}, objects
 
 
 _MAKERS = {"single": _single, "many": _many, "number": _number}
@@ -214,14 +225,14 @@ def sample(seed: int, index: int, kind: str | None = None) -> Example:
     """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind."""
     rng = random.Random(f"vlmserve-demo:{seed}:{index}")
     kind = kind or rng.choice(KINDS)
-    img, qa = _MAKERS[kind](rng)
+    img, qa, objects = _MAKERS[kind](rng)
     fmt = "JPEG" if rng.random() < 0.5 else "PNG"
     buf = io.BytesIO()
     if fmt == "JPEG":
         img.save(buf, format="JPEG", quality=rng.randint(80, 95))
     else:
         img.save(buf, format="PNG", compress_level=1)
-    return Example(kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa)
+    return Example(kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa, objects=objects)
 
 
 def eval_set(seed: int, per_task: int) -> list[tuple[Example, str]]:
