@@ -301,6 +301,7 @@ SLACK = 4 << 10
 
 
 @pytest.mark.skipif(_mallinfo2() is None, reason="needs glibc's mallinfo2 to measure the C heap")
+@pytest.mark.timeout(900)  # a fresh process importing torch: minutes on a loaded machine, seconds otherwise
 def test_many_small_entries_stay_within_the_cap_in_real_memory() -> None:
     cap, puts = 512 << 10, 3000
     runs: list[dict[str, object]] = [
