@@ -13,6 +13,11 @@ PNG under ``benchmarks/results/soak/``.
     .venv/bin/python benchmarks/soak.py --mix text -n 1000 --max-seconds 900
     .venv/bin/python benchmarks/soak.py --mix fixed --env MALLOC_ARENA_MAX=2 --label arena2
     .venv/bin/python benchmarks/soak.py --mix pages --preset small -- --embedding-cache-mb 64
+    # the plateau checks: random-size images once the embedding cache is full, and 3,000 requests on the
+    # small preset in bf16 (oneDNN's shape caches); add --max-seconds if an hour cannot finish them
+    .venv/bin/python benchmarks/soak.py --mix distinct-random --fill-embedding-cache -- --embedding-cache-mb 64
+    .venv/bin/python benchmarks/soak.py --preset small --mix distinct-random -n 3000 -- --dtype bfloat16
+    .venv/bin/python benchmarks/soak.py --preset small --mix text -n 3000 -- --dtype bfloat16
 
 Mixes: ``distinct-random`` (a new JPEG per request, each side uniform in 64-700 px), ``fixed`` (a new
 320x240 JPEG per request), ``text`` (5-180 words, no image), ``pages`` (16 page images asked about in turn:

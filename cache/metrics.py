@@ -28,7 +28,7 @@ _COUNTERS = {
     "dropped_puts": ("dropped_puts", "Puts not written (breaker open, queue full, too large, failed)."),
 }
 _GAUGES = {
-    "bytes": ("bytes", "Tensor bytes held."),
+    "bytes": ("bytes", "Bytes held: the tensors' data and objects, the keys and the table."),
     "entries": ("entries", "Entries held."),
     "capacity_bytes": ("capacity_bytes", "Byte bound of the tier."),
     "pending_puts": ("pending_puts", "Puts queued for the background writer."),

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
+from lm_engine.memory import bound_native_caches
 from lm_engine.outputs import RequestOutput
 from lm_engine.sampling_params import SamplingParams
 
@@ -20,6 +21,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        # NOTE: before the engine's warm-up runs the first matmul, as `vlmserve serve` and `batch` do; it keeps
+        # what the environment already sets, so a second LLM (or a caller's own call) changes nothing.
+        bound_native_caches()
         if model is None:
             from lm_engine.models.demo import demo_checkpoint
 

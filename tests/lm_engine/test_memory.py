@@ -1,4 +1,5 @@
-"""The oneDNN per-shape caches stay bounded once ``bound_native_caches`` ran (what serve and batch do).
+"""The oneDNN per-shape caches stay bounded once ``bound_native_caches`` ran (what serve, batch and the
+offline ``LLM`` do).
 
 bfloat16 matmuls on a CPU with AVX512-BF16 or AMX run through oneDNN, which PyTorch and oneDNN cache per
 distinct shape (a primitive of ~0.65 MB each, 1,024 of them by default): 600 new token counts grew a fresh
@@ -8,11 +9,17 @@ Each case runs in a fresh process: the capacities are read once, at the first pr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import lm_engine.llm
+
 REPO = Path(__file__).resolve().parents[2]
+CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 SCRIPT = """
 import torch
 from lm_engine.memory import bound_native_caches
@@ -40,3 +47,24 @@ def test_new_matmul_shapes_do_not_grow_memory_without_bound():
     assert out.returncode == 0, out.stderr[-2000:]
     growth_mb = float(out.stdout.strip().splitlines()[-1])
     assert growth_mb < 100, f"600 bf16 matmul shapes grew the process by {growth_mb:.0f} MB"
+
+
+@pytest.mark.parametrize("preset", [None, "64"], ids=["unset", "user-set"])
+def test_the_offline_llm_bounds_the_caches_before_its_engine_runs(
+    monkeypatch: pytest.MonkeyPatch, preset: str | None
+) -> None:
+    """``LLM`` applies the bound itself, before it builds the engine (whose warm-up runs the first matmuls),
+    and keeps what the environment already says."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
+    if preset is not None:
+        env["LRU_CACHE_CAPACITY"] = preset
+    monkeypatch.setattr(os, "environ", env)  # the process's own environment stays as it is
+    seen: dict[str, str | None] = {}
+
+    class EngineThatRecords:
+        def __init__(self, config: object) -> None:
+            seen.update((name, os.environ.get(name)) for name in CACHE_VARIABLES)
+
+    monkeypatch.setattr(lm_engine.llm, "LLMEngine", EngineThatRecords)
+    lm_engine.llm.LLM("unused-checkpoint-dir")
+    assert seen == {"LRU_CACHE_CAPACITY": preset or "16", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16"}
