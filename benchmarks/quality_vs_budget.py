@@ -604,22 +604,28 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         ):
             ratios[key] = ax / fx if fx else (float("inf") if ax else None)
     quick = " [QUICK]" if args.quick else ""
+    how = f"(calibrated: {calib['mode']}, {calib['requests']} requests)" if calib else "(given)"
     header = (
         f"checkpoint: {label}; {len(trace.requests)} task-set requests (seed {args.seed + 1}, tasks interleaved), "
         f"Poisson {rate:.4f} req/s = {rate / sustainable if sustainable else float('nan'):.2f} × the sustainable "
-        f"{_fmt(sustainable, '.4f')} req/s{' (calibrated: ' + calib['mode'] + ', ' + str(calib['requests']) + ' requests)' if calib else ' (given)'}; "
+        f"{_fmt(sustainable, '.4f')} req/s {how}; "
         f"max_tokens {args.max_tokens}, temperature 0, replies end at end of turn; SLO TTFT ≤ {args.slo_ttft_ms:g} ms, "
         f"TPOT ≤ {args.slo_tpot_ms:g} ms (server --ttft-slo-ms {args.server_ttft_slo_ms:g}){quick}"
     )
     latency = run_table([(k, v["summary"], v["verdict"]) for k, v in runs.items()])
     quality = overload_table([(k, v["summary"], v["quality"]) for k, v in runs.items()])
+
+    def ratio(key: str) -> str:
+        r = ratios.get(key)
+        return "∞ (fixed: none)" if r == float("inf") else _fmt(r) + "×"
+
     ratio_line = (
-        f"adaptive / fixed: goodput {_fmt(ratios.get('goodput'))}×, correct answers per second within the SLOs "
-        f"{_fmt(ratios.get('correct_within_slo_per_s'))}×"
+        f"adaptive / fixed: goodput {ratio('goodput')}, correct answers per second within the SLOs "
+        f"{ratio('correct_within_slo_per_s')}"
     )
     meters = {k: v["cpu"] for k, v in runs.items()}
     print(
-        "\n" + header + "\n" + quality + "\n" + latency + "\n" + ratio_line + "\n" + contention_note(meters),
+        "\n\n".join(["", header, quality, latency, ratio_line, contention_note(meters)]),
         flush=True,
     )
     mach = machine()
