@@ -8,8 +8,18 @@ import base64
 import json
 
 from benchmarks import load
-from benchmarks.quality_vs_budget import how_to_reach, score, task_trace
+from benchmarks.quality_vs_budget import how_to_reach, resolve_model, score, task_trace
 from lm_engine.models import demo_tasks
+
+
+def test_without_model_it_measures_what_serve_loads_without_one(tmp_path, monkeypatch):
+    import api.cli
+    from lm_engine.models import demo
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr(demo, "demo_checkpoint", lambda: tmp_path)
+    assert api.cli.default_checkpoint() == str(tmp_path)  # what `vlmserve serve` resolves
+    assert resolve_model(None)[0] == tmp_path
 
 
 def test_each_level_is_reached_as_a_client_reaches_it():
