@@ -200,14 +200,40 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
     )
 
 
+def default_checkpoint() -> str:
+    """The checkpoint ``vlmserve serve`` loads without ``--model``: the embedded demo model."""
+    from lm_engine.models.demo import demo_checkpoint
+
+    return str(demo_checkpoint())
+
+
 def _default_model(args: argparse.Namespace) -> tuple[str, list[str]]:
     """The checkpoint to load and the names clients may use for it (the demo model without --model)."""
     if args.model is not None:
         return args.model, args.served_model_name or []
-    from lm_engine.models.demo import demo_checkpoint
-
     print("no --model given: using the demo checkpoint (random weights, generated once)", flush=True)
-    return str(demo_checkpoint()), args.served_model_name or ["vlmserve-demo"]
+    return default_checkpoint(), args.served_model_name or ["vlmserve-demo"]
+
+
+def _check_visual_level(args: argparse.Namespace, model: str) -> None:
+    """--visual-level: a level of this model's ladder, under --visual-budget fixed (a clear error, not a
+    traceback from the engine's start)."""
+    if not args.visual_level:
+        return
+    from lm_engine.visual_budget import default_ladder
+    from preprocess import PreprocessConfig
+
+    pp = PreprocessConfig.from_checkpoint(model)
+    ladder = default_ladder(pp.max_pixels, pp.min_pixels, pp.factor)
+    if not 0 <= args.visual_level < len(ladder):
+        raise SystemExit(
+            f"vlmserve serve: --visual-level {args.visual_level} is not a level of this model's visual budget "
+            f"ladder: levels 0..{len(ladder) - 1} (max_pixels {', '.join(map(str, ladder))})"
+        )
+    if args.visual_budget != "fixed":
+        raise SystemExit(
+            "vlmserve serve: --visual-level pins the budget of --visual-budget fixed; add that flag"
+        )
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
@@ -251,6 +277,13 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         help="adaptive: lower new images' max_pixels under load (default); fixed: always the configured maximum",
     )
     g.add_argument(
+        "--visual-level",
+        type=int,
+        default=e("visual_level"),
+        help="with --visual-budget fixed: the budget level detail=auto images get (0 = full max_pixels, then "
+        "50 %%, 25 %%, the model's minimum); detail=high and low still get the full and the lowest",
+    )
+    g.add_argument(
         "--ttft-slo-ms", type=float, default=e("ttft_slo_ms"), help="time-to-first-token target under load"
     )
     g.add_argument(
@@ -282,11 +315,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     bound_native_caches()  # NOTE: before the engine runs its first matmul
 
     model, names = _default_model(args)
+    _check_visual_level(args, model)
     server_args = ServerArgs(
         engine=EngineConfig(
             model=model,
             **_engine_kwargs(args),
             visual_budget=args.visual_budget,
+            visual_level=args.visual_level,
             ttft_slo_ms=args.ttft_slo_ms,
             tpot_slo_ms=args.tpot_slo_ms,
             max_queued_requests=args.max_queued_requests,

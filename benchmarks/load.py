@@ -414,6 +414,7 @@ class RequestRecord:
     e2e_s: float | None = None
     done: bool = False  # saw `data: [DONE]`
     finish_reason: str | None = None
+    text: str = ""  # the reply's content, for benchmarks that score answers
     usage: dict | None = None
     headers: dict[str, str] = field(default_factory=dict)  # HEADER_PREFIXES matches and retry-after
     error_kind: str | None = None  # http | timeout | incomplete | malformed | stream_error | connect | ...
@@ -506,6 +507,7 @@ def _on_event(data: str, t: float, rec: RequestRecord) -> bool:
     for choice in obj.get("choices") or ():
         delta = choice.get("delta") or {}
         content = content or bool(delta.get("content") or delta.get("reasoning_content"))
+        rec.text += delta.get("content") or ""
         rec.finish_reason = choice.get("finish_reason") or rec.finish_reason
     if content:
         rec.chunk_times_s.append(t)

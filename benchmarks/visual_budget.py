@@ -83,9 +83,11 @@ async def measured_run(
     warmup: int,
     slo_ttft_ms: float,
     slo_tpot_ms: float,
+    ignore_eos: bool = True,
 ) -> tuple[load.RunResult, dict, list]:
+    """``ignore_eos``: every request generates its max_tokens (equal decode work); False for scored replies."""
     v1 = base_url + "/v1"
-    target = load.Target(v1, await load.discover_model(v1), ignore_eos=True)
+    target = load.Target(v1, await load.discover_model(v1), ignore_eos=ignore_eos)
     if warmup:
         await warm_up(target, warmup, mode.request_timeout_s)
         await asyncio.sleep(2.0)  # let the controller see an idle engine again before the trace starts

@@ -52,6 +52,9 @@ class EngineConfig:
     # gives every image the configured maximum, as a batch job with no latency target wants.
     visual_budget: str = "fixed"
     visual_ladder: tuple[int, ...] | None = None  # max_pixels per level; default 100/50/25 %/minimum
+    # Under "fixed": the ladder level detail="auto" images get (0 = full); "high" and "low" still mean 0 and the
+    # lowest. Pins a budget for an operator or a quality measurement.
+    visual_level: int = 0
     ttft_slo_ms: float = 2000.0
     # Per-output-token target: while requests decode, a step carries only the prefill that fits this time at
     # the measured prefill rate (a long prefill chunk stalls every stream for its length). None: no cap.
@@ -66,6 +69,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.visual_budget not in ("adaptive", "fixed"):
             raise ValueError(f"visual_budget must be 'adaptive' or 'fixed', got {self.visual_budget!r}")
+        if self.visual_level < 0:
+            raise ValueError(f"visual_level must be 0 or more, got {self.visual_level}")
+        if self.visual_level and self.visual_budget != "fixed":
+            raise ValueError(
+                "visual_level pins the budget of a 'fixed' visual_budget; 'adaptive' moves it itself"
+            )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 

@@ -38,6 +38,7 @@ class LoadControl:
             ttft_slo_s=config.ttft_slo_ms / 1000,
             dwell_s=config.budget_dwell_s,
             enabled=config.visual_budget == "adaptive",
+            fixed_level=config.visual_level,
             clock=clock,
         )
         self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s, clock=clock)

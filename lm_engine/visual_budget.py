@@ -54,6 +54,7 @@ class VisualBudgetController:
     kv_high: float = 0.9
     shed_low: float = 0.75  # saturated until the expected wait falls below this share of the SLO
     enabled: bool = True
+    fixed_level: int = 0  # what detail="auto" gets while disabled (0 = full resolution)
     clock: Callable[[], float] = time.monotonic
     level: int = 0
     pressure: float = 0.0
@@ -76,20 +77,27 @@ class VisualBudgetController:
             raise ValueError("need 0 <= low < high")
         if not 0 < self.shed_low <= 1 or not 0 < self.queue_share <= 1:
             raise ValueError("need 0 < shed_low <= 1 and 0 < queue_share <= 1")
+        if not 0 <= self.fixed_level < len(self.ladder):
+            raise ValueError(
+                f"fixed_level {self.fixed_level} is not a level of the ladder (0..{self.lowest})"
+            )
 
     @property
     def lowest(self) -> int:
         return len(self.ladder) - 1
 
     def max_pixels(self, detail: str | None = "auto") -> int:
-        """The budget a new image gets: ``low`` always the lowest level, ``high`` always the maximum."""
+        """The budget a new image gets: ``low`` always the lowest level, ``high`` always the maximum, ``auto``
+        the controller's level (``fixed_level`` while it is disabled)."""
         return self.ladder[self.level_for(detail)]
 
     def level_for(self, detail: str | None = "auto") -> int:
         if detail == "low":
             return self.lowest
-        if detail == "high" or not self.enabled:
+        if detail == "high":
             return 0
+        if not self.enabled:
+            return self.fixed_level
         return self._effective_level()
 
     def _effective_level(self) -> int:

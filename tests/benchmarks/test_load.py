@@ -172,6 +172,7 @@ def test_timings_and_counts_against_a_streaming_server():
         assert len(r.chunk_times_s) == 20, r.chunk_times_s
         assert all(t >= 0.05 + 0.01 * k - EPS for k, t in enumerate(r.chunk_times_s)), r.chunk_times_s
         assert r.e2e_s >= r.chunk_times_s[-1]
+        assert r.text == "".join(f"t{k} " for k in range(20))  # the reply, for scoring answers
     assert s["ttft_ms"]["p50"] == pytest.approx(1e3 * np.median([r.chunk_times_s[0] for r in res.records]))
     assert s["tpot_ms"]["n"] == 8 and s["itl_ms"]["n"] == 8 * 19
     # two waves of four requests, each at least 50 + 19·10 ms

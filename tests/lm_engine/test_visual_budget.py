@@ -191,6 +191,31 @@ def test_detail_semantics_and_fixed_mode():
     )
 
 
+def test_fixed_mode_pins_the_level_of_auto_images():
+    """``fixed_level`` is what detail=auto gets while the controller is off, whatever the load says; ``high``
+    and ``low`` keep their meaning; a level off the ladder is refused."""
+    clock = Clock()
+    pinned = controller(clock, enabled=False, fixed_level=1)
+    for load in (sig(queued=0), sig(queued=100_000, kv=1.0, ttft=9.0)):
+        run(pinned, clock, load, 3.0)
+        assert pinned.max_pixels("auto") == pinned.max_pixels(None) == LADDER[1]
+        assert pinned.level_for("auto") == 1
+        assert pinned.max_pixels("high") == LADDER[0] and pinned.max_pixels("low") == LADDER[-1]
+    for bad in (-1, len(LADDER)):
+        with pytest.raises(ValueError, match="fixed_level"):
+            controller(Clock(), enabled=False, fixed_level=bad)
+
+
+def test_engine_config_takes_a_visual_level_only_under_a_fixed_budget():
+    from lm_engine.config import EngineConfig
+
+    assert EngineConfig("m", visual_budget="fixed", visual_level=2).visual_level == 2
+    with pytest.raises(ValueError, match="visual_level"):
+        EngineConfig("m", visual_budget="adaptive", visual_level=1)
+    with pytest.raises(ValueError, match="visual_level"):
+        EngineConfig("m", visual_budget="fixed", visual_level=-1)
+
+
 def test_saturated_when_even_the_lowest_level_cannot_drain_the_queue_in_time():
     clock = Clock()
     c = controller(clock)  # SLO 1 s; shedding stops once the wait is under 0.75 s

@@ -1,0 +1,771 @@
+"""What each visual budget level costs in answers: accuracy per task per level, then correct answers per second
+under overload, adaptive against fixed budgets, on the demo model and its synthetic task set.
+
+**Accuracy** (``accuracy.*``): a freshly generated evaluation set (``lm_engine/models/demo_tasks.py``,
+``--seed`` 20000, a seed training never uses; ``--per-task`` images for each of the five questions) is asked
+through ``vlmserve serve`` at every level of the visual budget ladder (100 %, 50 %, 25 % of max_pixels, the
+model's minimum), as a client reaches them: level 0 with ``detail: "high"``, the lowest with ``"low"``, the
+middle ones with ``"auto"`` on a server started with ``--visual-budget fixed --visual-level K``. Single-turn
+chats (the image as a ``data:`` URL, then the exact question), temperature 0, ``--max-tokens`` 8,
+``--concurrency`` 8; a reply is correct when ``normalize(reply) == normalize(answer)``. Every reply's
+``usage.visual_levels`` and ``X-Visual-Budget-Levels`` must name the level asked for. Reported: accuracy per
+task and level, mean visual tokens per image (from ``usage``), a markdown table, JSON and a plot (accuracy
+against visual tokens, one line per task).
+
+**Overload** (``overload.*``): ``benchmarks/visual_budget.py``'s set-up with the task set as the trace: a
+closed-loop calibration on a fixed-budget server measures the sustainable rate, then the same Poisson trace at
+``--overload-factor`` (2) × that rate goes to a freshly started ``--visual-budget fixed`` server and to an
+``adaptive`` one. Every reply is scored: goodput (requests/s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``),
+**correct answers per second within the SLOs**, and the accuracy of the answered requests (per level seen).
+
+    .venv/bin/python benchmarks/quality_vs_budget.py                    # both parts, the embedded demo model
+    .venv/bin/python benchmarks/quality_vs_budget.py --skip-overload    # accuracy per level only
+    .venv/bin/python benchmarks/quality_vs_budget.py --skip-accuracy    # the overload comparison only
+    .venv/bin/python benchmarks/quality_vs_budget.py --quick --model DIR   # smoke run: 10 per task, short overload
+
+``--model`` defaults to the checkpoint ``vlmserve serve`` loads without one. Results go to
+``benchmarks/results/quality_vs_budget/``; server logs to ``benchmarks/out/quality_vs_budget/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import load  # noqa: E402
+from benchmarks.serve_compare import (  # noqa: E402
+    OUT_DIR,
+    RESULTS_DIR,
+    CpuMeter,
+    NamedMode,
+    ServerProcess,
+    _fmt,
+    contention_note,
+    free_port,
+    machine,
+    results_header,
+    settled_metrics,
+    vlmserve_argv,
+)
+from benchmarks.visual_budget import level_counts, measured_run, plot_levels, run_table, server_extra  # noqa: E402
+from lm_engine.models import demo_tasks  # noqa: E402
+from lm_engine.models.demo_tasks import Example, normalize  # noqa: E402
+
+LOG_DIR = OUT_DIR / "quality_vs_budget"
+TASKS = demo_tasks.TASKS
+
+
+# ---------------------------------------------------------------- model, ladder, task set
+
+
+def resolve_model(model: str | None) -> tuple[Path, str]:
+    """(checkpoint directory, label): ``--model``, else what ``vlmserve serve`` loads without one."""
+    if model:
+        path = Path(model).resolve()
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"--model {path}: no config.json there")
+        return path, str(path)
+    from api.cli import default_checkpoint
+
+    return Path(default_checkpoint()).resolve(), "the embedded demo checkpoint"
+
+
+def model_ladder(model: Path) -> list[int]:
+    """max_pixels per level, as the server builds it from the checkpoint's preprocessor config."""
+    from lm_engine.visual_budget import default_ladder
+    from preprocess import PreprocessConfig
+
+    pp = PreprocessConfig.from_checkpoint(model)
+    return default_ladder(pp.max_pixels, pp.min_pixels, pp.factor)
+
+
+def level_name(level: int, ladder: list[int]) -> str:
+    if level == len(ladder) - 1 and level > 0:
+        return "minimum"
+    return f"{100 * ladder[level] / ladder[0]:.0f} %"
+
+
+def how_to_reach(level: int, ladder: list[int]) -> tuple[int, str]:
+    """(the server's --visual-level, the request's detail) that give an image ``level``."""
+    if level == 0:
+        return 0, "high"
+    if level == len(ladder) - 1:
+        return 0, "low"
+    return level, "auto"
+
+
+def serve_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """``vlmserve serve`` as this interpreter runs it from the repository root (``python -m api.cli``): the
+    entry-point script of a copied virtual environment may run another checkout's interpreter and code."""
+    return [sys.executable, "-m", "api.cli", *vlmserve_argv(model, port, extra)[1:]]
+
+
+def data_url(ex: Example) -> str:
+    return f"data:{demo_tasks.mime(ex)};base64," + base64.b64encode(ex.data).decode()
+
+
+def make_eval_set(seed: int, per_task: int) -> list[tuple[Example, str]]:
+    t = time.perf_counter()
+    items = demo_tasks.eval_set(seed, per_task)
+    print(
+        f"evaluation set: seed {seed}, {per_task} per task × {len(TASKS)} tasks = {len(items)} requests, "
+        f"made in {time.perf_counter() - t:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return items
+
+
+def set_digest(items: Sequence[tuple[Example, str]]) -> str:
+    h = hashlib.sha256()
+    for ex, task in items:
+        h.update(hashlib.sha256(ex.data).digest() + task.encode() + ex.qa[task].encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- part 1: accuracy per level
+
+
+async def _ask(
+    client: httpx.AsyncClient,
+    url: str,
+    model_name: str,
+    ex: Example,
+    image_url: str,
+    task: str,
+    detail: str,
+    max_tokens: int,
+) -> dict:
+    body = {
+        "model": model_name,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": image_url, "detail": detail}},
+                    {"type": "text", "text": demo_tasks.QUESTIONS[task]},
+                ],
+            }
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+    }
+    rec: dict = {"task": task, "answer": ex.qa[task], "size": list(ex.size), "fmt": ex.fmt}
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post(url, json=body)
+        rec["status"] = resp.status_code
+        if resp.status_code != 200:
+            rec["error"] = resp.text[:300]
+        else:
+            obj = resp.json()
+            usage = obj.get("usage") or {}
+            rec["reply"] = obj["choices"][0]["message"]["content"] or ""
+            rec["visual_tokens"] = (usage.get("visual_tokens") or [None])[0]
+            rec["visual_level"] = (usage.get("visual_levels") or [None])[0]
+            rec["header_levels"] = resp.headers.get("x-visual-budget-levels")
+    except httpx.HTTPError as exc:
+        rec["status"], rec["error"] = None, f"{type(exc).__name__}: {exc}"
+    rec["latency_s"] = time.perf_counter() - t0
+    rec["correct"] = "reply" in rec and normalize(rec["reply"]) == normalize(rec["answer"])
+    return rec
+
+
+async def run_level(
+    base_url: str,
+    items: list[tuple[Example, str]],
+    urls: list[str],
+    detail: str,
+    title: str,
+    args: argparse.Namespace,
+) -> list[dict]:
+    """Every item once, ``args.concurrency`` at a time; a progress line every ~10 % (done, failed, rate, ETA)."""
+    model_name = await load.discover_model(base_url + "/v1")
+    url = base_url + "/v1/chat/completions"
+    sem = asyncio.Semaphore(args.concurrency)
+    records: list[dict | None] = [None] * len(items)
+    done = failed = 0
+    every = max(1, len(items) // 10)
+    t0 = time.perf_counter()
+    print(f"[{title}] {len(items)} requests, detail={detail}", file=sys.stderr, flush=True)
+    async with httpx.AsyncClient(timeout=args.request_timeout_s, trust_env=False) as client:
+
+        async def one(i: int) -> None:
+            nonlocal done, failed
+            ex, task = items[i]
+            async with sem:
+                rec = await _ask(client, url, model_name, ex, urls[i], task, detail, args.max_tokens)
+            records[i] = rec
+            done += 1
+            failed += rec.get("status") != 200
+            if done % every == 0 or done == len(items):
+                el = time.perf_counter() - t0
+                rate = done / el if el > 0 else 0.0
+                eta = (len(items) - done) / rate if rate else float("nan")
+                print(
+                    f"[{title}] {done}/{len(items)} done, {failed} failed, {rate:.2f} req/s, "
+                    f"elapsed {el:.0f} s, ETA {eta:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        await asyncio.gather(*(one(i) for i in range(len(items))))
+    return [r for r in records if r is not None]
+
+
+def level_summary(level: int, ladder: list[int], detail: str, pin: int, records: list[dict]) -> dict:
+    ok = [r for r in records if r.get("status") == 200]
+    per_task: dict[str, dict] = {}
+    for task in TASKS:
+        rs = [r for r in records if r["task"] == task]
+        tok = [r["visual_tokens"] for r in rs if isinstance(r.get("visual_tokens"), int)]
+        correct = sum(r["correct"] for r in rs)
+        per_task[task] = {
+            "n": len(rs),
+            "correct": correct,
+            "accuracy": correct / len(rs) if rs else None,
+            "visual_tokens_mean": sum(tok) / len(tok) if tok else None,
+        }
+    tokens = [r["visual_tokens"] for r in ok if isinstance(r.get("visual_tokens"), int)]
+    wrong_level = [r for r in ok if r.get("visual_level") != level or r.get("header_levels") != str(level)]
+    return {
+        "level": level,
+        "name": level_name(level, ladder),
+        "max_pixels": ladder[level],
+        "detail": detail,
+        "server_visual_level": pin,
+        "requests": len(records),
+        "ok": len(ok),
+        "failed": len(records) - len(ok),
+        "failure_examples": [
+            f"{r.get('status')}: {r.get('error')}" for r in records if r.get("status") != 200
+        ][:5],
+        "correct": sum(r["correct"] for r in records),
+        "accuracy": sum(r["correct"] for r in records) / len(records) if records else None,
+        "visual_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+        "level_mismatches": len(wrong_level),
+        "per_task": per_task,
+    }
+
+
+def accuracy_table(levels: list[dict]) -> str:
+    head = (
+        "| level | max_pixels | reached by | visual tok/img mean | " + " | ".join(TASKS) + " | all | failed |"
+    )
+    lines = [head, "|" + "---|" * (len(TASKS) + 6)]
+    for s in levels:
+        acc = " | ".join(f"{100 * s['per_task'][t]['accuracy']:.1f} %" for t in TASKS)
+        how = f"detail={s['detail']}" + (
+            f", --visual-level {s['server_visual_level']}" if s["detail"] == "auto" else ""
+        )
+        lines.append(
+            f"| L{s['level']} ({s['name']}) | {s['max_pixels']} | {how} | {_fmt(s['visual_tokens_mean'], '.1f')} "
+            f"| {acc} | {100 * s['accuracy']:.1f} % | {s['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_accuracy(levels: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for task in TASKS:
+        pts = [
+            (s["per_task"][task]["visual_tokens_mean"], 100 * s["per_task"][task]["accuracy"], s["level"])
+            for s in levels
+            if s["per_task"][task]["visual_tokens_mean"]
+        ]
+        if not pts:
+            continue
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=task)
+    for s in levels:  # each level's mean over all tasks, marked once
+        if s["visual_tokens_mean"]:
+            ax.axvline(s["visual_tokens_mean"], color="gray", ls=":", lw=0.8)
+            ax.text(s["visual_tokens_mean"], 103, f"L{s['level']}", ha="center", fontsize=7, color="gray")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("visual tokens per image (mean, from usage)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(-2, 108)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_accuracy(args: argparse.Namespace, model: Path, label: str, ladder: list[int], out_dir: Path) -> int:
+    items = make_eval_set(args.seed, args.per_task)
+    urls = [data_url(ex) for ex, _ in items]
+    plan = {level: how_to_reach(level, ladder) for level in range(len(ladder))}
+    by_server: dict[int, list[int]] = defaultdict(list)
+    for level, (pin, _) in plan.items():
+        by_server[pin].append(level)
+    summaries: dict[int, dict] = {}
+    records: dict[int, list[dict]] = {}
+    t0 = time.perf_counter()
+    for pin, levels in by_server.items():
+        port = free_port()
+        extra = ["--visual-budget", "fixed", "--visual-level", str(pin), *args.vlmserve_arg]
+        argv = serve_argv(model, port, extra)
+        with ServerProcess(
+            f"vlmserve --visual-level {pin}", argv, port, LOG_DIR / f"accuracy-L{pin}.log"
+        ) as srv:
+            srv.start(args.startup_timeout_s)
+            for level in levels:
+                detail = plan[level][1]
+                title = f"L{level} {level_name(level, ladder)}, max_pixels {ladder[level]}"
+                recs = asyncio.run(run_level(srv.base_url, items, urls, detail, title, args))
+                s = level_summary(level, ladder, detail, pin, recs)
+                s["argv"] = argv
+                summaries[level], records[level] = s, recs
+                print(
+                    f"[{title}] accuracy {100 * s['accuracy']:.1f} % ("
+                    + ", ".join(f"{t} {100 * s['per_task'][t]['accuracy']:.0f} %" for t in TASKS)
+                    + f"), visual tokens/img {_fmt(s['visual_tokens_mean'], '.1f')}, failed {s['failed']}, "
+                    f"level mismatches {s['level_mismatches']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    levels = [summaries[k] for k in sorted(summaries)]
+    quick = " [QUICK]" if args.quick else ""
+    header = (
+        f"checkpoint: {label}; evaluation set seed {args.seed}, {args.per_task} images per task "
+        f"({len(items)} requests per level, set {set_digest(items)[:12]}); temperature 0, max_tokens "
+        f"{args.max_tokens}, concurrency {args.concurrency}; exact match after strip + lowercase{quick}"
+    )
+    table = accuracy_table(levels)
+    print("\n" + header + "\n" + table, flush=True)
+    mach = machine()
+    body = {
+        **results_header("benchmarks/quality_vs_budget.py", args, model, mach),
+        "checkpoint_label": label,
+        "ladder": ladder,
+        "eval_set": {"seed": args.seed, "per_task": args.per_task, "digest": set_digest(items)},
+        "wall_s": time.perf_counter() - t0,
+        "levels": levels,
+    }
+    (out_dir / "accuracy.json").write_text(json.dumps(body, indent=1) + "\n")
+    (out_dir / "accuracy_records.json").write_text(
+        json.dumps({str(k): v for k, v in records.items()}, default=float) + "\n"
+    )
+    plot_accuracy(
+        levels, out_dir / "accuracy.png", f"{Path(str(model)).name}: accuracy vs visual tokens{quick}"
+    )
+    md = [
+        "# Answer quality at each visual budget level",
+        "",
+        f"`{body['command']}` — {body['created']}",
+        "",
+        header,
+        "",
+        table,
+        "",
+        "Accuracy vs visual tokens per task: `accuracy.png`. Every reply: `accuracy_records.json`.",
+    ]
+    (out_dir / "accuracy.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out_dir}/accuracy.json, accuracy.md, accuracy.png, accuracy_records.json", file=sys.stderr)
+    bad = [s for s in levels if s["failed"] or s["level_mismatches"]]
+    for s in bad:
+        print(
+            f"L{s['level']}: {s['failed']} failed, {s['level_mismatches']} replies at another level than asked "
+            f"({s['failure_examples'][:2]})",
+            file=sys.stderr,
+        )
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------- part 2: overload
+
+
+def task_trace(
+    items: Sequence[tuple[Example, str]], max_tokens: int, seed: int
+) -> tuple[load.Trace, load.ImageStore]:
+    """The task set as a load.py trace: one image and its question per request, Poisson arrivals at 1 req/s
+    (run_load scales them to the offered rate), detail left out (auto)."""
+    rng = random.Random(seed)
+    images, requests = [], []
+    t = 0.0
+    for i, (ex, task) in enumerate(items):
+        fmt = "jpeg" if ex.fmt == "JPEG" else "png"
+        images.append(load.ImageSpec(i, ex.size[0], ex.size[1], fmt, seed=i, quality=0))
+        requests.append(load.TraceRequest(t, demo_tasks.QUESTIONS[task], max_tokens, [i], None))
+        t += rng.expovariate(1.0)
+    spec = {
+        "demo_tasks": True,
+        "seed": seed,
+        "num_requests": len(items),
+        "max_tokens": [max_tokens, max_tokens],
+    }
+    trace = load.Trace(spec, images, requests)
+    store = load.ImageStore(trace)
+    for i, (ex, _) in enumerate(items):
+        store.urls[i] = data_url(ex).encode()
+        store.nbytes[i] = len(ex.data)
+        trace.image_sha256[i] = hashlib.sha256(ex.data).hexdigest()
+    return trace, store
+
+
+def overload_pool(args: argparse.Namespace) -> tuple[list, list]:
+    """(calibration items, measured items): disjoint, tasks interleaved at random, from seed ``--seed`` + 1."""
+    need = args.calib_n + args.overload_n
+    items = make_eval_set(args.seed + 1, math.ceil(need / len(TASKS)))
+    random.Random(args.seed + 1).shuffle(items)
+    return items[: args.calib_n], items[args.calib_n : need]
+
+
+def score(records: Sequence[load.RequestRecord], items: Sequence[tuple[Example, str]], args) -> dict:
+    """Per request: answered (200, complete), correct, within the SLOs; totals, rates and accuracy by level."""
+    by_level: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    by_task: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    answered = correct = good = good_correct = 0
+    for r in records:
+        ex, task = items[r.index]
+        ok = r.ok
+        right = ok and normalize(r.text) == normalize(ex.qa[task])
+        met = load.meets_slo(r, args.slo_ttft_ms, args.slo_tpot_ms)
+        answered += ok
+        correct += right
+        good += met
+        good_correct += met and right
+        if ok:
+            lv = (r.usage or {}).get("visual_levels") or ["?"]
+            by_level[str(lv[0])][0] += 1
+            by_level[str(lv[0])][1] += right
+            by_task[task][0] += 1
+            by_task[task][1] += right
+    return {
+        "answered": answered,
+        "correct": correct,
+        "within_slo": good,
+        "correct_within_slo": good_correct,
+        "accuracy_answered": correct / answered if answered else None,
+        "accuracy_by_level": {k: {"n": n, "accuracy": c / n} for k, (n, c) in sorted(by_level.items())},
+        "accuracy_by_task": {k: {"n": n, "accuracy": c / n} for k, (n, c) in sorted(by_task.items())},
+    }
+
+
+def overload_table(rows: list[tuple[str, dict, dict]]) -> str:
+    lines = [
+        "| budget | answered/sent | correct | accuracy (answered) | within SLOs | correct within SLOs "
+        "| goodput req/s | **correct within SLOs /s** | accuracy by level (n) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s, q in rows:
+        by = ", ".join(
+            f"L{k} {100 * v['accuracy']:.0f} % ({v['n']})" for k, v in q["accuracy_by_level"].items()
+        )
+        acc = q["accuracy_answered"]
+        lines.append(
+            f"| {name} | {q['answered']}/{s['sent']} | {q['correct']} | {_fmt(acc and 100 * acc, '.1f')} % "
+            f"| {q['within_slo']} | {q['correct_within_slo']} | {_fmt(s['goodput'], '.3f')} "
+            f"| **{q['correct_within_slo_per_s']:.3f}** | {by or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def calibrate(args: argparse.Namespace, model: Path, items: list) -> dict:
+    """Closed loop at --calib-clients on a fixed-budget server: completed requests per second."""
+    trace, store = task_trace(items, args.max_tokens, args.seed + 2)
+    port = free_port()
+    argv = serve_argv(model, port, server_extra(args, "fixed"))
+    mode = load.LoadMode(concurrency=args.calib_clients, request_timeout_s=args.request_timeout_s)
+    with ServerProcess("vlmserve calibration", argv, port, LOG_DIR / "calibration.log") as server:
+        server.start(args.startup_timeout_s)
+        res, s, _ = asyncio.run(
+            measured_run(
+                server.base_url,
+                trace,
+                store,
+                mode,
+                args.warmup,
+                args.slo_ttft_ms,
+                args.slo_tpot_ms,
+                ignore_eos=False,
+            )
+        )
+    print(load.format_summary(s, f"calibration, fixed budget ({mode.label()})"), flush=True)
+    if s["ok"] == 0:
+        raise SystemExit("calibration: no request succeeded; see " + str(LOG_DIR / "calibration.log"))
+    return {
+        "argv": argv,
+        "mode": mode.label(),
+        "requests": len(trace.requests),
+        "sustainable_rate": s["request_throughput"],
+        "summary": s,
+    }
+
+
+def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Path) -> int:
+    calib_items, items = overload_pool(args)
+    calib = None
+    sustainable = args.sustainable_rate
+    if args.rate is None and sustainable is None:
+        calib = calibrate(args, model, calib_items)
+        sustainable = calib["sustainable_rate"]
+        print(f"sustainable rate at the full budget: {sustainable:.4f} req/s", flush=True)
+    rate = args.rate if args.rate is not None else args.overload_factor * sustainable
+    trace, store = task_trace(items, args.max_tokens, args.seed + 1)
+    mode = load.LoadMode(rate=rate, request_timeout_s=args.request_timeout_s)
+    print(
+        f"offered rate {rate:.4f} req/s ({len(trace.requests)} requests over "
+        f"~{trace.requests[-1].t_unit / rate:.0f} s of arrivals)",
+        file=sys.stderr,
+        flush=True,
+    )
+    runs: dict[str, dict] = {}
+    results, summaries, recs = [], [], {}
+    for budget in args.budgets:
+        port = free_port()
+        argv = serve_argv(model, port, server_extra(args, budget))
+        with ServerProcess(f"vlmserve {budget}", argv, port, LOG_DIR / f"overload-{budget}.log") as server:
+            server.start(args.startup_timeout_s)
+            with CpuMeter(server.pgid) as meter:
+                res, s, samples = asyncio.run(
+                    measured_run(
+                        server.base_url,
+                        trace,
+                        store,
+                        mode,
+                        args.warmup,
+                        args.slo_ttft_ms,
+                        args.slo_tpot_ms,
+                        ignore_eos=False,
+                    )
+                )
+            after = asyncio.run(settled_metrics(server.base_url))
+        q = score(res.records, items, args)
+        q["correct_within_slo_per_s"] = (
+            q["correct_within_slo"] / s["duration_s"] if s["duration_s"] > 0 else 0.0
+        )
+        shed = [r for r in res.records if r.status == 503 and r.error_kind == "http"]
+        other = [r for r in res.records if not r.ok and r not in shed]
+        v = {
+            "shed": len(shed),
+            "shed_latency_ms": load._dist([r.e2e_s for r in shed], 1e3),
+            "other_failures": len(other),
+            "other_failure_examples": [f"{r.error_kind} {r.status}: {r.error}" for r in other[:5]],
+            "levels": level_counts(s),
+        }
+        print(load.format_summary(s, f"--visual-budget {budget} ({mode.label()})"), flush=True)
+        print(
+            f"  answered {q['answered']}/{s['sent']}, correct {q['correct']} (accuracy "
+            f"{_fmt(q['accuracy_answered'] and 100 * q['accuracy_answered'], '.1f')} %), correct within SLOs "
+            f"{q['correct_within_slo']} = {q['correct_within_slo_per_s']:.3f}/s; shed {v['shed']}, other failures "
+            f"{v['other_failures']}, levels {v['levels']}; KV after: "
+            f"{'no leak' if after['no_leak'] else 'LEAK'}",
+            flush=True,
+        )
+        runs[budget] = {
+            "argv": argv,
+            "summary": s,
+            "verdict": v,
+            "quality": q,
+            "metrics_after": after,
+            "cpu": meter.result,
+            "level_timeline": [[round(x[0], 3), *x[1:]] for x in samples],
+        }
+        named = NamedMode(budget, res.mode)
+        named.rate = None
+        results.append(load.RunResult(named, res.records, res.planned, res.duration_s))
+        summaries.append(s)
+        recs[budget] = res.records
+
+    ratios = {}
+    if "fixed" in runs and "adaptive" in runs:
+        f, a = runs["fixed"], runs["adaptive"]
+        for key, fx, ax in (
+            ("goodput", f["summary"]["goodput"], a["summary"]["goodput"]),
+            (
+                "correct_within_slo_per_s",
+                f["quality"]["correct_within_slo_per_s"],
+                a["quality"]["correct_within_slo_per_s"],
+            ),
+        ):
+            ratios[key] = ax / fx if fx else (float("inf") if ax else None)
+    quick = " [QUICK]" if args.quick else ""
+    how = f"(calibrated: {calib['mode']}, {calib['requests']} requests)" if calib else "(given)"
+    header = (
+        f"checkpoint: {label}; {len(trace.requests)} task-set requests (seed {args.seed + 1}, tasks interleaved), "
+        f"Poisson {rate:.4f} req/s = {rate / sustainable if sustainable else float('nan'):.2f} × the sustainable "
+        f"{_fmt(sustainable, '.4f')} req/s {how}; "
+        f"max_tokens {args.max_tokens}, temperature 0, replies end at end of turn; SLO TTFT ≤ {args.slo_ttft_ms:g} ms, "
+        f"TPOT ≤ {args.slo_tpot_ms:g} ms (server --ttft-slo-ms {args.server_ttft_slo_ms:g}){quick}"
+    )
+    latency = run_table([(k, v["summary"], v["verdict"]) for k, v in runs.items()])
+    quality = overload_table([(k, v["summary"], v["quality"]) for k, v in runs.items()])
+
+    def ratio(key: str) -> str:
+        r = ratios.get(key)
+        return "∞ (fixed: none)" if r == float("inf") else _fmt(r) + "×"
+
+    ratio_line = (
+        f"adaptive / fixed: goodput {ratio('goodput')}, correct answers per second within the SLOs "
+        f"{ratio('correct_within_slo_per_s')}"
+    )
+    meters = {k: v["cpu"] for k, v in runs.items()}
+    print(
+        "\n\n".join(["", header, quality, latency, ratio_line, contention_note(meters)]),
+        flush=True,
+    )
+    mach = machine()
+    body = {
+        **results_header("benchmarks/quality_vs_budget.py", args, model, mach),
+        "checkpoint_label": label,
+        "calibration": calib,
+        "sustainable_rate": sustainable,
+        "offered_rate": rate,
+        "trace": {"digest": trace.digest(), "spec": trace.spec},
+        "ratios": ratios,
+        "contention": meters,
+        "runs": runs,
+    }
+    (out_dir / "overload.json").write_text(json.dumps(body, indent=1, default=float) + "\n")
+    (out_dir / "overload_records.json").write_text(
+        json.dumps(
+            {
+                k: [
+                    r.to_json()
+                    | {"task": items[r.index][1], "answer": items[r.index][0].qa[items[r.index][1]]}
+                    for r in v
+                ]
+                for k, v in recs.items()
+            },
+            default=float,
+        )
+        + "\n"
+    )
+    load.write_plots(results, summaries, out_dir)
+    plot_levels({k: v["level_timeline"] for k, v in runs.items()}, recs, out_dir / "overload_levels.png")
+    md = [
+        "# Correct answers per second under overload: adaptive against fixed visual budgets",
+        "",
+        f"`{body['command']}` — {body['created']}",
+        "",
+        header,
+        "",
+        quality,
+        "",
+        latency,
+        "",
+        ratio_line,
+        "",
+        contention_note(meters),
+        "",
+        *[f"- {k}: `{' '.join(v['argv'])}`" for k, v in runs.items()],
+        "",
+        "Plots: `ttft_cdf.png`, `e2e_cdf.png`, `overload_levels.png`. Records (replies included): "
+        "`overload_records.json`.",
+    ]
+    (out_dir / "overload.md").write_text("\n".join(md) + "\n")
+    print(f"wrote {out_dir}/overload.json, overload.md, overload_records.json, *.png", file=sys.stderr)
+    bad = any(v["verdict"]["other_failures"] or not v["metrics_after"]["no_leak"] for v in runs.values())
+    return 1 if bad else 0
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="quality_vs_budget.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", help="checkpoint directory (default: what `vlmserve serve` loads without --model)"
+    )
+    p.add_argument("--quick", action="store_true", help="10 images per task; overload: 12 + 40 requests")
+    p.add_argument("--skip-accuracy", action="store_true", help="only the overload comparison")
+    p.add_argument("--skip-overload", action="store_true", help="only the accuracy per level")
+    p.add_argument("--seed", type=int, default=20000, help="evaluation set seed (never used in training)")
+    p.add_argument("--per-task", type=int, help="images per task (default 200; --quick 10)")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8, help="accuracy part: requests in flight")
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    g = p.add_argument_group("overload")
+    g.add_argument("--overload-n", type=int, help="measured requests (default 200; --quick 40)")
+    g.add_argument("--calib-n", type=int, help="calibration requests (default 48; --quick 12)")
+    g.add_argument("--calib-clients", type=int, default=8, help="calibration concurrency (closed loop)")
+    g.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
+    g.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-budget rate")
+    g.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
+    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    g.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    g.add_argument(
+        "--server-ttft-slo-ms", type=float, help="the server's --ttft-slo-ms (default: --slo-ttft-ms)"
+    )
+    g.add_argument("--no-server-tpot", action="store_true", help="do not pass --slo-tpot-ms as --tpot-slo-ms")
+    g.add_argument("--max-queued-requests", type=int, help="passed to both servers")
+    g.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
+    g.add_argument("--budgets", default="fixed,adaptive", help="which runs, in order")
+    g.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
+    p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR / "quality_vs_budget"))
+    args = p.parse_args(argv)
+    if args.skip_accuracy and args.skip_overload:
+        p.error("--skip-accuracy and --skip-overload leave nothing to run")
+    args.per_task = args.per_task or (10 if args.quick else 200)
+    args.overload_n = args.overload_n or (40 if args.quick else 200)
+    args.calib_n = args.calib_n or (12 if args.quick else 48)
+    args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
+    args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if bad := set(args.budgets) - {"fixed", "adaptive"}:
+        p.error(f"unknown budgets {sorted(bad)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+
+    args = parse_args(argv)
+
+    def on_term(signum, frame) -> None:  # SIGTERM: unwind like Ctrl-C, so the server is stopped
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    model, label = resolve_model(args.model)
+    ladder = model_ladder(model)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"checkpoint {model}; ladder (max_pixels per level): "
+        + ", ".join(f"L{i} {level_name(i, ladder)} {v}" for i, v in enumerate(ladder)),
+        file=sys.stderr,
+        flush=True,
+    )
+    rc = 0
+    try:
+        if not args.skip_accuracy:
+            rc |= run_accuracy(args, model, label, ladder, out_dir)
+        if not args.skip_overload:
+            rc |= run_overload(args, model, label, out_dir)
+    except KeyboardInterrupt:
+        print("\ninterrupted: server stopped, nothing written for the unfinished part", file=sys.stderr)
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
