@@ -201,12 +201,14 @@ _MAKERS = {"single": _single, "many": _many, "number": _number}
 KINDS = tuple(_MAKERS)
 
 
-def sample(seed: int, index: int, kind: str | None = None) -> Example:
-    """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind."""
+def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = None) -> Example:
+    """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind, ``fmt`` the encoding
+    (the same picture: "PNG" gives its exact pixels, which is how the tests measure what it shows)."""
     rng = random.Random(f"vlmserve-demo:{seed}:{index}")
     kind = kind or rng.choice(KINDS)
     img, qa = _MAKERS[kind](rng)
-    fmt = "JPEG" if rng.random() < 0.5 else "PNG"
+    drawn = "JPEG" if rng.random() < 0.5 else "PNG"
+    fmt = fmt or drawn
     buf = io.BytesIO()
     if fmt == "JPEG":
         img.save(buf, format="JPEG", quality=rng.randint(80, 95))
