@@ -182,19 +182,30 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str]]:
         if hi >= lo:
             break
     glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-    font = _font(max(6, round(glyph / 0.73)))
-    left, top, right, bottom = font.getbbox(text)
-    tw, th = right - left, bottom - top
-    if tw > w - 2 or th > h - 2:  # rounding pushed it past the edge: shrink to fit
-        font = _font(max(6, int(font.size * min((w - 2) / tw, (h - 2) / th))))
+    size = max(6, round(glyph / 0.73))
+    # NOTE: 0.73 is the flat digits' ratio; round ones (0, 3, 6, 8, 9) overshoot it, and rounding the size
+    # adds a pixel: step the size until the measured ink is within the bounds and inside the image.
+    while True:
+        font = _font(size)
         left, top, right, bottom = font.getbbox(text)
         tw, th = right - left, bottom - top
+        if size > 6 and (th > MAX_GLYPH or tw > w - 2 or th > h - 2):
+            size -= 1
+        elif th < lo and _fits(_font(size + 1).getbbox(text), w, h):
+            size += 1
+        else:
+            break
     light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
     img = _background((w, h), light, rng)
     x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
     dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
     ImageDraw.Draw(img).text((x, y), text, font=font, fill=dark)
     return img, {"number": text, "describe": f"the number {text}"}
+
+
+def _fits(bbox: tuple[int, int, int, int], w: int, h: int) -> bool:
+    left, top, right, bottom = bbox
+    return bottom - top <= min(MAX_GLYPH, h - 2) and right - left <= w - 2
 
 
 _MAKERS = {"single": _single, "many": _many, "number": _number}
