@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -110,7 +111,11 @@ def _background(size: tuple[int, int], rgb: tuple[int, int, int], rng: random.Ra
 
 
 def _add_noise(img: Image.Image, rng: random.Random) -> Image.Image:
-    noise = Image.effect_noise(img.size, rng.uniform(8, 20)).convert("RGB")  # grey noise around 128
+    # NOTE: numpy seeded from `rng`, not Image.effect_noise: Pillow draws that from C's unseeded rand(), so
+    # every call gave different pixels and the task set was not a function of its seed.
+    sigma = rng.uniform(8, 20)
+    grey = np.random.default_rng(rng.getrandbits(64)).normal(128.0, sigma, (img.height, img.width))
+    noise = Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8)).convert("RGB")  # grey noise around 128
     return Image.blend(img, noise, rng.uniform(0.04, 0.10))
 
 

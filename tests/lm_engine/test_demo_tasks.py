@@ -120,6 +120,15 @@ def test_palette_colours_look_like_their_names():
         assert nearest(rgb, web) == name
 
 
+def test_same_seed_and_index_give_the_same_bytes():
+    """Noisy backgrounds included (a third of the images): the noise comes from the seed too."""
+    for i in range(12):
+        a, b = tasks.sample(3, i), tasks.sample(3, i)
+        assert a.data == b.data and a.qa == b.qa and a.kind == b.kind and a.size == b.size
+    assert all(tasks.sample(3, i).data != tasks.sample(4, i).data for i in range(12))
+    assert len({tasks.sample(3, i).data for i in range(12)}) == 12
+
+
 def test_forced_format_encodes_the_same_picture():
     for i in range(12):
         ex = tasks.sample(3, i)
@@ -127,6 +136,8 @@ def test_forced_format_encodes_the_same_picture():
             forced = tasks.sample(3, i, fmt=fmt)
             assert Image.open(io.BytesIO(forced.data)).format == forced.fmt == fmt
             assert (forced.kind, forced.size, forced.qa) == (ex.kind, ex.size, ex.qa)
+            if fmt == ex.fmt:
+                assert forced.data == ex.data
 
 
 def test_sizes_aspect_ratios_and_formats(examples):
