@@ -124,7 +124,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: f
     if kind == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rgb)
     elif kind == "square":
-        h = r * rng.uniform(0.75, 0.95)
+        h = r / math.sqrt(2) * rng.uniform(0.85, 1.0)  # corners inside the circle: apart from its neighbours
         draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=rgb)
     else:
         turn = rng.uniform(-0.25, 0.25)  # mostly upright

@@ -195,6 +195,23 @@ def test_single_shape_has_the_named_colour(lossless):
         assert nearest(bg, {**palette, "grey": GREY}) != name, "the background has another colour"
 
 
+# Images whose squares' corners (once outside the circle the spacing kept apart) touched a neighbour.
+TOUCHING = [(0, 26), (0, 118), (0, 257)]
+
+
+def test_count_equals_connected_components(lossless):
+    """The shapes are the connected regions that differ from the background: none touches another."""
+    checked = set()
+    for ex in lossless + [tasks.sample(seed, i, "many", fmt="PNG") for seed, i in TOUCHING]:
+        if ex.kind == "number":
+            continue
+        px = pixels(ex)
+        mask = np.linalg.norm(px - background(px), axis=-1) > DIFFERS
+        assert count_components(mask) == int(ex.qa["count"]), (ex.kind, ex.size, ex.qa)
+        checked.add(ex.qa["count"])
+    assert checked == {str(n) for n in range(1, 7)}
+
+
 # Numbers whose round digits (0, 3, 6, 8, 9) once drew ink 122-123 px tall for a 120 px glyph.
 OVERSHOOT = [(1, 40), (1, 646), (1, 2103)]
 
