@@ -100,7 +100,7 @@ def _canvas(rng: random.Random) -> tuple[int, int]:
     """(width, height): the longer side log-uniform in [64, 1024], aspect ratio in [1:3, 3:1]."""
     long_side = round(math.exp(rng.uniform(math.log(MIN_SIDE), math.log(MAX_SIDE))))
     ratio = math.exp(rng.uniform(0.0, math.log(3.0)))
-    short_side = max(MIN_SIDE, round(long_side / ratio))
+    short_side = max(MIN_SIDE, round(long_side / ratio), math.ceil(long_side / 3))  # rounding stays <= 3:1
     return (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
 
 

@@ -156,6 +156,12 @@ def test_sizes_aspect_ratios_and_formats(examples):
     assert min(longs) < 128 and max(longs) > 768, "the whole range of sizes is drawn"
 
 
+def test_aspect_ratio_at_the_rounding_edge():
+    """Sample (0, 1653) draws a ratio just under 3:1 whose short side rounded down (78 x 235 before the fix)."""
+    w, h = tasks.sample(0, 1653).size
+    assert max(w, h) <= 3 * min(w, h), (w, h)
+
+
 def test_answers_have_the_issue_forms(examples):
     seen: dict[str, set[str]] = {t: set() for t in tasks.TASKS}
     for ex in examples:
