@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 COLORS: dict[str, tuple[int, int, int]] = {
@@ -114,7 +115,7 @@ def _canvas(rng: random.Random) -> tuple[int, int]:
     """(width, height): the longer side log-uniform in [64, 1024], aspect ratio in [1:3, 3:1]."""
     long_side = round(math.exp(rng.uniform(math.log(MIN_SIDE), math.log(MAX_SIDE))))
     ratio = math.exp(rng.uniform(0.0, math.log(3.0)))
-    short_side = max(MIN_SIDE, round(long_side / ratio))
+    short_side = max(MIN_SIDE, round(long_side / ratio), math.ceil(long_side / 3))  # rounding stays <= 3:1
     return (long_side, short_side) if rng.random() < 0.5 else (short_side, long_side)
 
 
@@ -125,7 +126,11 @@ def _background(size: tuple[int, int], rgb: tuple[int, int, int], rng: random.Ra
 
 
 def _add_noise(img: Image.Image, rng: random.Random) -> Image.Image:
-    noise = Image.effect_noise(img.size, rng.uniform(8, 20)).convert("RGB")  # grey noise around 128
+    # NOTE: numpy seeded from `rng`, not Image.effect_noise: Pillow draws that from C's unseeded rand(), so
+    # every call gave different pixels and the task set was not a function of its seed.
+    sigma = rng.uniform(8, 20)
+    grey = np.random.default_rng(rng.getrandbits(64)).normal(128.0, sigma, (img.height, img.width))
+    noise = Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8)).convert("RGB")  # grey noise around 128
     return Image.blend(img, noise, rng.uniform(0.04, 0.10))
 
 
@@ -134,7 +139,7 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: f
     if kind == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rgb)
     elif kind == "square":
-        h = r * rng.uniform(0.75, 0.95)
+        h = r / math.sqrt(2) * rng.uniform(0.85, 1.0)  # corners inside the circle: apart from its neighbours
         draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=rgb)
     else:
         turn = rng.uniform(-0.25, 0.25)  # mostly upright
@@ -171,7 +176,8 @@ def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
                 break
             r = rng.uniform(max(5.0, 0.55 * r_max), r_max)
             cx, cy = rng.uniform(r + 1, w - r - 1), rng.uniform(r + 1, h - r - 1)
-            if all(math.hypot(cx - x, cy - y) > r + q + 0.15 * (r + q) for x, y, q in circles):
+            # NOTE: at least 3 px apart: rasterised circles of a few pixels reach a pixel past their radius
+            if all(math.hypot(cx - x, cy - y) > r + q + max(3.0, 0.15 * (r + q)) for x, y, q in circles):
                 circles.append((cx, cy, r))
         if len(circles) == n:
             break
@@ -198,13 +204,19 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
         if hi >= lo:
             break
     glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-    font = _font(max(6, round(glyph / 0.73)))
-    left, top, right, bottom = font.getbbox(text)
-    tw, th = right - left, bottom - top
-    if tw > w - 2 or th > h - 2:  # rounding pushed it past the edge: shrink to fit
-        font = _font(max(6, int(font.size * min((w - 2) / tw, (h - 2) / th))))
+    size = max(6, round(glyph / 0.73))
+    # NOTE: 0.73 is the flat digits' ratio; round ones (0, 3, 6, 8, 9) overshoot it, and rounding the size
+    # adds a pixel: step the size until the measured ink is within the bounds and inside the image.
+    while True:
+        font = _font(size)
         left, top, right, bottom = font.getbbox(text)
         tw, th = right - left, bottom - top
+        if size > 6 and (th > MAX_GLYPH or tw > w - 2 or th > h - 2):
+            size -= 1
+        elif th < lo and _fits(_font(size + 1).getbbox(text), w, h):
+            size += 1
+        else:
+            break
     light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
     img = _background((w, h), light, rng)
     x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
@@ -217,16 +229,23 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     return img, {"number": text, "describe": f"the number {text}"}, objects
 
 
+def _fits(bbox: tuple[int, int, int, int], w: int, h: int) -> bool:
+    left, top, right, bottom = bbox
+    return bottom - top <= min(MAX_GLYPH, h - 2) and right - left <= w - 2
+
+
 _MAKERS = {"single": _single, "many": _many, "number": _number}
 KINDS = tuple(_MAKERS)
 
 
-def sample(seed: int, index: int, kind: str | None = None) -> Example:
-    """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind."""
+def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = None) -> Example:
+    """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind, ``fmt`` the encoding
+    (the same picture: "PNG" gives its exact pixels, which is how the tests measure what it shows)."""
     rng = random.Random(f"vlmserve-demo:{seed}:{index}")
     kind = kind or rng.choice(KINDS)
     img, qa, objects = _MAKERS[kind](rng)
-    fmt = "JPEG" if rng.random() < 0.5 else "PNG"
+    drawn = "JPEG" if rng.random() < 0.5 else "PNG"
+    fmt = fmt or drawn
     buf = io.BytesIO()
     if fmt == "JPEG":
         img.save(buf, format="JPEG", quality=rng.randint(80, 95))
