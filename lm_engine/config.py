@@ -45,6 +45,8 @@ class EngineConfig:
     # or start a local pool of this many worker processes; default: encode in-process.
     encoder_url: str | None = None
     encoder_workers: int = 0
+    encoder_threads: int = 0  # torch threads per worker of the encoder_workers pool (0: torch's own)
+    encoder_nice: int = 10  # the encoder_workers pool's lower CPU priority (decode steps preempt encoding)
     encoder_timeout_s: float = 30.0  # the longest an image waits for the pool before the fallback
     encoder_fallback: str = "local"  # "local": encode in-process then; "fail": the request gets a 503
     # Load: visual budget controller and admission control
@@ -77,6 +79,11 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not 0 <= self.encoder_nice <= 19 or self.encoder_threads < 0:
+            raise ValueError(
+                f"encoder_nice must be 0-19 and encoder_threads 0 or more, got {self.encoder_nice}, "
+                f"{self.encoder_threads}"
+            )
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """The compute dtype. ``auto`` keeps the checkpoint's own, except that

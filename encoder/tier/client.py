@@ -347,12 +347,21 @@ class RemoteVisionPipeline:
 
 
 def start_local_pool(
-    model: str, workers: int, dtype: str, device: str, startup_s: float = 600
+    model: str,
+    workers: int,
+    dtype: str,
+    device: str,
+    startup_s: float = 600,
+    threads: int = 0,
+    nice: int = 0,
 ) -> tuple[subprocess.Popen, str]:
-    """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL."""
+    """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL.
+
+    ``nice``: the pool's lower CPU priority, so this server's decode loop preempts its encoding."""
     path = os.path.join(tempfile.mkdtemp(prefix="vlmserve-encoder-"), "encoder.sock")
     cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", model, "--workers", str(workers)]
     cmd += ["--socket", path, "--dtype", dtype, "--device", device, "--exit-with-parent"]
+    cmd += ["--threads", str(threads), "--nice", str(nice)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + startup_s
     for line in proc.stdout:  # the ready line, or the end of its output if it failed
@@ -372,7 +381,14 @@ def connect(
     here (lm_engine.config.EngineConfig); ``local`` stays the fallback."""
     owned, url = None, config.encoder_url
     if config.encoder_workers:
-        owned, url = start_local_pool(config.model, config.encoder_workers, config.dtype, config.device)
+        owned, url = start_local_pool(
+            config.model,
+            config.encoder_workers,
+            config.dtype,
+            config.device,
+            threads=config.encoder_threads,
+            nice=config.encoder_nice,
+        )
     return RemoteVisionPipeline(
         url,
         local,

@@ -24,6 +24,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--workers", type=int, default=1, help="encoder processes, each with its own vision tower")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's own)")
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="lower the pool's CPU priority by this much (workers and preprocess processes inherit it), so "
+        "language engines sharing the cores take them first",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -54,6 +61,8 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 
         socket_path = os.path.join(tempfile.gettempdir(), f"vlmserve-encoder-{args.port}.sock")
     logging.getLogger().setLevel(logging.INFO)
+    if args.nice:
+        os.nice(args.nice)  # NOTE: before serve_forever starts the workers, which inherit it
     serve_forever(
         TierSettings(
             model=args.model,
@@ -91,6 +100,19 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="start a local encoder pool of N processes with the server",
     )
     g.add_argument(
+        "--encoder-threads",
+        type=int,
+        default=0,
+        help="torch threads per worker of the --encoder-workers pool (default: torch's own)",
+    )
+    g.add_argument(
+        "--encoder-nice",
+        type=int,
+        default=10,
+        help="CPU priority the --encoder-workers pool gives up (0-19): the decode loop sharing the cores "
+        "preempts image encoding, so streams keep their pace while large images encode",
+    )
+    g.add_argument(
         "--encoder-timeout",
         type=float,
         default=30.0,
@@ -108,6 +130,8 @@ def serve_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         encoder_url=args.encoder_url,
         encoder_workers=args.encoder_workers,
+        encoder_threads=args.encoder_threads,
+        encoder_nice=args.encoder_nice,
         encoder_timeout_s=args.encoder_timeout,
         encoder_fallback=args.encoder_fallback,
     )

@@ -124,3 +124,35 @@ def test_engine_gone_while_its_embeddings_are_in_flight_leaves_nothing_behind(po
     )
     assert after["dropped"] - before["dropped"] == 2  # finished into the pool's cache, shipped nowhere
     assert after["shipped"] == before["shipped"] and after["shipped_bytes"] == before["shipped_bytes"]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{task}/children") as f:
+                kids = [int(c) for c in f.read().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+def test_local_pool_gives_up_cpu_priority_to_the_engine(tiny_ckpt):
+    """serve --encoder-workers starts its pool at a lower CPU priority (--encoder-nice), workers and
+    preprocess processes included, and with the threads asked for; the kernel's own record is the oracle."""
+    from encoder.tier.client import start_local_pool
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    proc, url = start_local_pool(str(tiny_ckpt), 1, "float32", "cpu", threads=1, nice=5)
+    try:
+        assert url.startswith("unix://")
+        family = [proc.pid, *_descendants(proc.pid)]
+        assert len(family) >= 2, "the pool runs its worker in a process of its own"
+        assert {os.getpriority(os.PRIO_PROCESS, p) for p in family} == {min(19, base + 5)}
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert argv[argv.index(b"--threads") + 1] == b"1"
+    finally:
+        proc.terminate()
+        proc.wait(30)
