@@ -89,8 +89,8 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
     t0 = time.perf_counter()
-    if args.preset == "wide" and args.family != "qwen2_vl":
-        raise SystemExit("vlmserve make-model: the wide preset exists for --family qwen2_vl only")
+    if args.preset in ("wide", "demo") and args.family != "qwen2_vl":
+        raise SystemExit(f"vlmserve make-model: the {args.preset} preset exists for --family qwen2_vl only")
     if args.family == "qwen3_vl":
         path = qwen3_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed)
     else:
@@ -452,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "make-model", help="generate a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint with random weights"
     )
-    p.add_argument("--preset", default="tiny", choices=["tiny", "wide", "small"], help="wide: Qwen2-VL only")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "wide", "small", "demo"],
+        help="wide, demo: Qwen2-VL only",
+    )
     p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)

@@ -77,3 +77,17 @@ def test_engine_greedy_ids_equal_transformers(demo_ckpt):
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.prompt_token_ids == oracle.inputs(convs[i])["input_ids"][0].tolist()
         assert out.token_ids == ref, f"conversation {i}: engine {out.token_ids} != transformers {ref}"
+
+
+def test_make_model_writes_the_demo_preset_for_qwen2_vl_only(tmp_path, capsys):
+    import json
+
+    assert main(["make-model", "--preset", "demo", "--out", str(tmp_path / "d")]) == 0
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (config["vision_config"]["depth"], config["hidden_size"], config["num_hidden_layers"]) == (
+        8,
+        256,
+        4,
+    )
+    with pytest.raises(SystemExit, match="qwen2_vl only"):
+        main(["make-model", "--preset", "demo", "--family", "qwen3_vl", "--out", str(tmp_path / "q")])
