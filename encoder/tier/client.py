@@ -288,6 +288,8 @@ class RemoteVisionPipeline:
             self._finish(key, Encoded(key, error=PreprocessError(code, text)))
         elif kind == "preprocess_worker":
             self._finish(key, Encoded(key, error=PreprocessWorkerError(message)))
+        elif kind == "ship":  # encoded, but it could not reach this engine (the pool's Redis is down)
+            self._fall_back([key], "ship_failed")
         else:
             self._fall_back([key], "remote_error")
 
