@@ -103,11 +103,11 @@ class _Conn:
 class EncoderServer:
     def __init__(self, settings: TierSettings) -> None:
         from lm_engine.config import EngineConfig
-        from lm_engine.models.qwen2_vl import Qwen2VLConfig
+        from lm_engine.models.registry import load_model_config
 
         self.settings = s = settings
         path = Path(s.model)
-        model_config = Qwen2VLConfig.from_dir(path)
+        model_config = load_model_config(path)
         dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads)
@@ -300,7 +300,7 @@ class EncoderServer:
                 self._ship_failed(by_redis, "the encoder pool's Redis writes are behind")
         if not here:
             return
-        entry = codec.encode(result.key.digest(), result.embedding)
+        entry = codec.encode(result.key.digest(), result.embedding, result.key.levels)
         for conn, rid in here:
             header = {"op": "result", "id": rid, "size": len(entry), "via": conn.ship}
             if conn.ship == "shm":
