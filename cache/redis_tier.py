@@ -145,14 +145,23 @@ class RedisTier(EmbeddingTier):
             self._pending.append((digest, tensor.detach(), key.levels))
             self._cv.notify()
 
-    def _write(self, digest: str, tensor: torch.Tensor, levels: int = 0) -> None:
+    def store(self, key: EmbeddingKey, tensor: torch.Tensor) -> bool:
+        """A put made now, in the caller's thread, that says whether Redis holds the value: for a caller
+        that tells a reader elsewhere to fetch it (the encoder tier). Bounded like a get; never raises
+        because Redis is down."""
+        if tensor.dtype not in codec.ALLOWED_DTYPES.values():
+            raise TypeError(f"dtype {tensor.dtype} is not storable in Redis")
+        if tensor.nbytes > self.max_value_bytes or self.breaker.rejecting():
+            self._count(dropped_puts=1)
+            return False
+        return self._write(key.digest(), tensor, key.levels)
+
+    def _write(self, digest: str, tensor: torch.Tensor, levels: int = 0) -> bool:
         # Encoding happens here (the writer thread when async): it copies the tensor to host bytes.
         value = codec.encode(digest, tensor, levels)
         ok, _ = self._call(self._client.set, self._redis_key(digest), value, ex=self.ttl_s)
-        if ok:
-            self._count(puts=1)
-        else:
-            self._count(dropped_puts=1)
+        self._count(**({"puts": 1} if ok else {"dropped_puts": 1}))
+        return ok
 
     def _write_loop(self) -> None:
         while True:

@@ -5,7 +5,9 @@ lookup thread checks the embedding cache (memory, then Redis); misses go to the 
 patches queue for the encoder thread, which packs pending images from all requests into one varlen batch
 (a patch budget and a short wait), runs the vision tower + merger once, splits the rows per image and fills
 the cache. Each key's result (its rows, or the error) is collected by the engine with ``take_results()``.
-A key already in flight is not started again, so identical images are encoded once.
+A key already in flight is not started again, so identical images are encoded once. ``cancel(key)`` drops a
+key whose patches the tower has not taken yet, wherever it waits (lookup, preprocessing, the encoder queue):
+no result comes for it.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class EncoderStats:
     cache_hits: int = 0
     cache_misses: int = 0
     errors: int = 0
+    cancelled: int = 0  # keys dropped before the tower took them
     batch_images: list[int] = field(default_factory=list)  # recent batch sizes (bounded)
 
     def record_batch(self, images: int, patches: int, seconds: float) -> None:
@@ -77,12 +80,23 @@ class Encoded:
 
 
 @dataclass(slots=True)
+class _Ticket:
+    """One submission of a key. Cancelled: its work is dropped at the next stage; started: in a batch for the
+    tower, too late to cancel. Both change under the pipeline's lock only."""
+
+    cancelled: bool = False
+    started: bool = False
+    future: Future | None = None  # its preprocessing, cancelled with it while still queued
+
+
+@dataclass(slots=True)
 class _Pending:
     """Preprocessed patches waiting for the encoder thread."""
 
     key: EmbeddingKey
-    patches: np.ndarray | None  # None once handed to the vision tower
+    patches: np.ndarray | None  # None once handed to the vision tower (or dropped)
     grid: tuple[int, int, int]
+    ticket: _Ticket
 
 
 class VisionPipeline:
@@ -116,7 +130,7 @@ class VisionPipeline:
         self.fatal: BaseException | None = None
         self.stats = EncoderStats()
         self._lock = threading.Lock()
-        self._in_flight: set[EmbeddingKey] = set()
+        self._in_flight: dict[EmbeddingKey, _Ticket] = {}
         self._results: list[Encoded] = []
         self._done = threading.Condition(self._lock)
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
@@ -138,14 +152,34 @@ class VisionPipeline:
         with self._lock:
             return len(self._in_flight) + len(self._results)
 
+    @property
+    def queued(self) -> int:
+        """Preprocessed images waiting for the tower (cancelled ones included until the queue drops them)."""
+        return self._queue.qsize()
+
     def submit(self, jobs: list[EncodeJob]) -> None:
         """Start the jobs whose key is not in flight already; never blocks."""
         for job in jobs:
             with self._lock:
                 if job.key in self._in_flight:
                     continue
-                self._in_flight.add(job.key)
-            self._lookups.submit(self._lookup, job)
+                ticket = self._in_flight[job.key] = _Ticket()
+            self._lookups.submit(self._lookup, job, ticket)
+
+    def cancel(self, key: EmbeddingKey) -> bool:
+        """Drop ``key`` unless the tower has taken it: True if dropped (no result will come for it), False if
+        it is not in flight or already running (its result comes as usual)."""
+        with self._lock:
+            ticket = self._in_flight.get(key)
+            if ticket is None or ticket.started:
+                return False
+            ticket.cancelled = True
+            del self._in_flight[key]
+            self.stats.cancelled += 1
+            future = ticket.future
+        if future is not None:
+            future.cancel()  # a no-op once a preprocess worker has it
+        return True
 
     def take_results(self) -> list[Encoded]:
         """The results finished since the last call."""
@@ -167,7 +201,9 @@ class VisionPipeline:
         self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # -- lookup + preprocessing ------------------------------------------------------------------------------
-    def _lookup(self, job: EncodeJob) -> None:
+    def _lookup(self, job: EncodeJob, ticket: _Ticket) -> None:
+        if ticket.cancelled:
+            return
         try:
             if self.cache is not None:
                 emb = self.cache.get(job.key)
@@ -178,16 +214,20 @@ class VisionPipeline:
                     emb = None
                 if emb is not None:
                     self.stats.cache_hits += 1
-                    self._finish(Encoded(job.key, embedding=emb))
+                    self._finish(Encoded(job.key, embedding=emb), ticket)
                     return
                 self.stats.cache_misses += 1
             if self.pool is not None:
                 fut = self.pool.submit_future(job.data, self.config, job.max_pixels)
-                fut.add_done_callback(lambda f, job=job: self._preprocessed(job, f))
+                with self._lock:
+                    ticket.future = fut
+                    if ticket.cancelled:
+                        fut.cancel()
+                fut.add_done_callback(lambda f, job=job: self._preprocessed(job, ticket, f))
             else:
-                self._enqueue(job, preprocess(job.data, self.config, job.max_pixels))
+                self._enqueue(job, preprocess(job.data, self.config, job.max_pixels), ticket)
         except Exception as exc:  # a bad image fails its own requests only
-            self._finish(Encoded(job.key, error=exc))
+            self._finish(Encoded(job.key, error=exc), ticket)
 
     def _fits(self, key: EmbeddingKey, emb: torch.Tensor) -> bool:
         """A cached entry has the layout this model reads: one row per merged token, every level in each."""
@@ -195,23 +235,29 @@ class VisionPipeline:
         width = self.row_width
         return emb.dim() == 2 and emb.shape[0] == rows and (width is None or emb.shape[1] == width)
 
-    def _preprocessed(self, job: EncodeJob, fut: Future) -> None:
+    def _preprocessed(self, job: EncodeJob, ticket: _Ticket, fut: Future) -> None:
+        if ticket.cancelled:
+            return  # its patches (a lease on a worker's slot, if any) go with the future
         try:
-            self._enqueue(job, fut.result())
+            self._enqueue(job, fut.result(), ticket)
         except Exception as exc:
-            self._finish(Encoded(job.key, error=exc))
+            self._finish(Encoded(job.key, error=exc), ticket)
 
-    def _enqueue(self, job: EncodeJob, px: PixelPatches) -> None:
+    def _enqueue(self, job: EncodeJob, px: PixelPatches, ticket: _Ticket) -> None:
         if tuple(px.grid_thw) != job.key.grid:
             raise RuntimeError(f"preprocessing gave grid {px.grid_thw}, the prompt planned {job.key.grid}")
-        self._queue.put(_Pending(job.key, px.patches, tuple(px.grid_thw)))
+        self._queue.put(_Pending(job.key, px.patches, tuple(px.grid_thw), ticket))
 
     # -- batched encoding ------------------------------------------------------------------------------------
     def _next_batch(self) -> list[_Pending] | None:
-        first = self._queue.get()
-        if first is None:
-            self._queue.put(None)  # for the other encoder threads
-            return None
+        while True:
+            first = self._queue.get()
+            if first is None:
+                self._queue.put(None)  # for the other encoder threads
+                return None
+            with self._lock:
+                if self._start(first):
+                    break
         batch, patches = [first], first.patches.shape[0]
         deadline = time.monotonic() + self.max_wait_s
         while patches < self.max_batch_patches:
@@ -223,12 +269,25 @@ class VisionPipeline:
             if nxt is None:
                 self._queue.put(None)
                 break
-            if patches + nxt.patches.shape[0] > self.max_batch_patches:
-                self._queue.put(nxt)  # NOTE: it goes to the back; it leads the next batch soon enough
-                break
+            with self._lock:
+                if nxt.ticket.cancelled:
+                    nxt.patches = None
+                    continue
+                if patches + nxt.patches.shape[0] > self.max_batch_patches:
+                    self._queue.put(nxt)  # NOTE: it goes to the back; it leads the next batch soon enough
+                    break
+                self._start(nxt)
             batch.append(nxt)
             patches += nxt.patches.shape[0]
         return batch
+
+    def _start(self, p: _Pending) -> bool:
+        """Under the lock: mark ``p`` taken by the tower, or drop it (False) if it was cancelled."""
+        if p.ticket.cancelled:
+            p.patches = None
+            return False
+        p.ticket.started = True
+        return True
 
     def _encoder_loop(self) -> None:
         while not self._closed:
@@ -258,16 +317,19 @@ class VisionPipeline:
                 if self.is_fatal(exc):
                     self.fatal = exc
                 for p in batch:
-                    self._finish(Encoded(p.key, error=exc))
+                    self._finish(Encoded(p.key, error=exc), p.ticket)
                 continue
             for p, emb in zip(batch, embeddings):
                 if self.cache is not None:
                     self.cache.put(p.key, emb)
-                self._finish(Encoded(p.key, embedding=emb))
+                self._finish(Encoded(p.key, embedding=emb), p.ticket)
 
-    def _finish(self, result: Encoded) -> None:
+    def _finish(self, result: Encoded, ticket: _Ticket) -> None:
         with self._done:
-            self._in_flight.discard(result.key)
+            if ticket.cancelled:
+                return  # dropped: nobody takes a result for it
+            if self._in_flight.get(result.key) is ticket:
+                del self._in_flight[result.key]
             self._results.append(result)
             if result.error is not None:
                 self.stats.errors += 1

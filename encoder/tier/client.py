@@ -272,9 +272,9 @@ class RemoteVisionPipeline:
         via = header.get("via")
         try:
             if via == "shm" and fd is not None:
-                return codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])))
+                return codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
             if via == "inline":
-                return codec.decode(key.digest(), payload)
+                return codec.decode(key.digest(), payload, key.levels)
             if via == "redis" and self.cache is not None and self.cache.l2 is not None:
                 return self.cache.l2.get(key)
         except (codec.CorruptEntry, OSError, KeyError, ValueError):
@@ -288,6 +288,8 @@ class RemoteVisionPipeline:
             self._finish(key, Encoded(key, error=PreprocessError(code, text)))
         elif kind == "preprocess_worker":
             self._finish(key, Encoded(key, error=PreprocessWorkerError(message)))
+        elif kind == "ship":  # encoded, but it could not reach this engine (the pool's Redis is down)
+            self._fall_back([key], "ship_failed")
         else:
             self._fall_back([key], "remote_error")
 

@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--redis-key-prefix", default="vlmserve:", help="the engines' --redis-key-prefix")
     p.add_argument("--redis-ttl-s", type=int, default=600, help="how long a shipped embedding stays in Redis")
+    p.add_argument(
+        "--redis-timeout-s", type=float, default=0.1, help="bound on each Redis call (connect, write)"
+    )
     p.add_argument("--max-batch-patches", type=int, default=16384)
     p.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
@@ -78,6 +81,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_url=args.redis_url,
             redis_key_prefix=args.redis_key_prefix,
             redis_ttl_s=args.redis_ttl_s,
+            redis_timeout_s=args.redis_timeout_s,
             max_batch_patches=args.max_batch_patches,
         ),
         exit_with_parent=args.exit_with_parent,

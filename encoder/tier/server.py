@@ -6,11 +6,15 @@ one encoder thread per worker process; later requests for the same key only wait
 Each waiting engine gets the embedding its own way:
 
 - ``shm``: a memfd with the ``cache.codec`` entry, passed over the Unix socket (same host);
-- ``redis``: written to Redis in the L2 format with a TTL, the reply names only the key (other hosts);
+- ``redis``: written to Redis in the L2 format with a TTL, the reply names only the key (other hosts); a
+  thread of its own writes them, so a slow or dead Redis never holds up the other two ways. When the write
+  fails (Redis down, the circuit breaker open, the queue of writes full) the engine is told at once
+  (``"kind": "ship"``) and falls back as it is configured to;
 - ``inline``: the ``cache.codec`` entry as the frame's payload (TCP, no Redis).
 
-An engine that disconnects is forgotten at once: its waits are dropped, and a result nobody waits for any
-more is not shipped anywhere, so nothing piles up for engines that are gone.
+An engine that disconnects is forgotten at once: its waits are dropped, a key nobody else waits for is
+cancelled if the tower has not taken it yet (never encoded), and a result nobody waits for any more is not
+shipped anywhere, so nothing piles up for engines that are gone.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import os
 import socket
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +61,8 @@ class TierSettings:
     redis_url: str | None = None
     redis_key_prefix: str = "vlmserve:"
     redis_ttl_s: int = 600
+    redis_timeout_s: float = 0.1  # per Redis call (connect and each command)
+    redis_max_queue: int = 64  # embeddings waiting for their Redis write; past it engines are told at once
     max_batch_patches: int = 16384
     max_wait_ms: float = 2.0
 
@@ -68,7 +74,9 @@ class TierStats:
     shipped: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # per way
     shipped_bytes: int = 0
     dropped: int = 0  # results whose engines had all gone
+    cancelled: int = 0  # keys whose engines had all gone before the tower took them (never encoded)
     disconnects: int = 0
+    ship_failures: int = 0  # waits answered "could not ship" (Redis down, its queue full)
 
 
 class _Conn:
@@ -95,20 +103,29 @@ class _Conn:
 class EncoderServer:
     def __init__(self, settings: TierSettings) -> None:
         from lm_engine.config import EngineConfig
-        from lm_engine.models.qwen2_vl import Qwen2VLConfig
+        from lm_engine.models.registry import load_model_config
 
         self.settings = s = settings
         path = Path(s.model)
-        model_config = Qwen2VLConfig.from_dir(path)
+        model_config = load_model_config(path)
         dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads)
         self.fingerprint = self.workers.fingerprint
         self.redis = (
-            RedisTier(s.redis_url, prefix=s.redis_key_prefix, ttl_s=s.redis_ttl_s, async_puts=False)
+            RedisTier(
+                s.redis_url,
+                prefix=s.redis_key_prefix,
+                ttl_s=s.redis_ttl_s,
+                connect_timeout_s=s.redis_timeout_s,
+                timeout_s=s.redis_timeout_s,
+                async_puts=False,
+            )
             if s.redis_url
             else None
         )
+        self._redis_jobs: deque[tuple[Encoded, list[tuple[_Conn, int]]]] = deque()
+        self._redis_cv = threading.Condition()
         self.cache = EmbeddingCache.create(s.cache_bytes)
         self.preprocess = PreprocessPool(s.preprocess_workers) if s.preprocess_workers > 0 else None
         self._wake = threading.Event()
@@ -145,6 +162,8 @@ class EncoderServer:
             unix.listen(64)
             self._listen(unix, unix=True)
         threading.Thread(target=self._deliver_loop, name="vlmserve-encoder-deliver", daemon=True).start()
+        if self.redis is not None:
+            threading.Thread(target=self._redis_loop, name="vlmserve-encoder-redis", daemon=True).start()
 
     def _listen(self, sock: socket.socket, unix: bool) -> None:
         self._listeners.append(sock)
@@ -234,12 +253,19 @@ class EncoderServer:
         self.pipeline.submit([EncodeJob(key, payload, int(max_pixels) if max_pixels is not None else None)])
 
     def _forget(self, conn: _Conn) -> None:
-        """The engine is gone: drop its waits (its keys still running finish into the cache only)."""
+        """The engine is gone: drop its waits; a key no live engine waits for any more is cancelled unless the
+        tower has it (then it finishes into the pool's cache only)."""
         conn.alive = False
         with self._lock:
             self.stats.disconnects += 1
-            for key in list(self._waits):
-                self._waits[key] = [w for w in self._waits[key] if w[0] is not conn]
+            for key, waits in list(self._waits.items()):
+                left = [w for w in waits if w[0] is not conn]
+                # NOTE: under the lock, so an engine asking for this key meanwhile starts it afresh.
+                if not left and len(waits) and self.pipeline.cancel(key):
+                    del self._waits[key]
+                    self.stats.cancelled += 1
+                else:
+                    self._waits[key] = left
 
     # -- results ----------------------------------------------------------------------------------------
     def _deliver_loop(self) -> None:
@@ -262,14 +288,21 @@ class EncoderServer:
             for conn, rid in waits:
                 conn.send({**err, "id": rid})
             return
-        digest = result.key.digest()
-        entry = codec.encode(digest, result.embedding)
-        in_redis = False
-        for conn, rid in waits:
+        by_redis = [w for w in waits if w[0].ship == "redis"]
+        here = [w for w in waits if w[0].ship != "redis"]
+        if by_redis:
+            with self._redis_cv:
+                queued = len(self._redis_jobs) < self.settings.redis_max_queue
+                if queued:
+                    self._redis_jobs.append((result, by_redis))
+                    self._redis_cv.notify()
+            if not queued:
+                self._ship_failed(by_redis, "the encoder pool's Redis writes are behind")
+        if not here:
+            return
+        entry = codec.encode(result.key.digest(), result.embedding, result.key.levels)
+        for conn, rid in here:
             header = {"op": "result", "id": rid, "size": len(entry), "via": conn.ship}
-            if conn.ship == "redis" and not in_redis:
-                self.redis.put(result.key, result.embedding)
-                in_redis = True
             if conn.ship == "shm":
                 fd = wire.memfd_with(entry)
                 try:
@@ -277,11 +310,41 @@ class EncoderServer:
                 finally:
                     os.close(fd)  # the engine holds its own copy of the descriptor now
             else:
-                ok = conn.send(header, entry if conn.ship == "inline" else b"")
+                ok = conn.send(header, entry)
             if ok:
-                with self._lock:
-                    self.stats.shipped[conn.ship] += 1
-                    self.stats.shipped_bytes += len(entry)
+                self._shipped(conn.ship, len(entry))
+
+    def _redis_loop(self) -> None:
+        """Writes embeddings for engines elsewhere to Redis, then tells them; apart from the delivery thread,
+        so a Redis that hangs until its timeout holds no same-host engine."""
+        while True:
+            with self._redis_cv:
+                while not self._redis_jobs and not self._closed.is_set():
+                    self._redis_cv.wait()
+                if self._closed.is_set():
+                    return
+                result, waits = self._redis_jobs[0]
+            stored = self.redis.store(result.key, result.embedding)
+            with self._redis_cv:
+                self._redis_jobs.popleft()
+            if not stored:
+                self._ship_failed(waits, "the encoder pool could not write the embedding to Redis")
+                continue
+            size = result.embedding.nbytes
+            for conn, rid in waits:
+                if conn.send({"op": "result", "id": rid, "size": size, "via": "redis"}):
+                    self._shipped("redis", size)
+
+    def _ship_failed(self, waits: list[tuple[_Conn, int]], why: str) -> None:
+        for conn, rid in waits:
+            conn.send({"op": "result", "id": rid, "error": why, "kind": "ship"})
+        with self._lock:
+            self.stats.ship_failures += len(waits)
+
+    def _shipped(self, way: str, size: int) -> None:
+        with self._lock:
+            self.stats.shipped[way] += 1
+            self.stats.shipped_bytes += size
 
     # -- introspection ----------------------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -294,16 +357,23 @@ class EncoderServer:
                 "shipped": dict(self.stats.shipped),
                 "shipped_bytes": self.stats.shipped_bytes,
                 "dropped": self.stats.dropped,
+                "cancelled": self.stats.cancelled,
                 "disconnects": self.stats.disconnects,
+                "ship_failures": self.stats.ship_failures,
                 "waiting": waiting,
                 "keys_in_flight": len(self._waits),
             }
+        with self._redis_cv:
+            tier["redis_queue"] = len(self._redis_jobs)
+        # NOTE: the Redis tier's own counters, its circuit breaker's state and opens included.
+        tier["redis"] = self.redis.stats() if self.redis is not None else None
         return {
             **tier,
             "images_encoded": st.images,
             "batches": st.batches,
             "cache_hits": st.cache_hits,
             "pipeline_pending": self.pipeline.pending,
+            "pipeline_queued": self.pipeline.queued,
             "worker_pids": ws.pids,
             "busy_workers": sorted(ps.busy),
             "worker_deaths": ps.worker_deaths,
@@ -312,6 +382,8 @@ class EncoderServer:
 
     def close(self) -> None:
         self._closed.set()
+        with self._redis_cv:
+            self._redis_cv.notify_all()
         for sock in self._listeners:
             sock.close()
         if self.settings.socket_path:

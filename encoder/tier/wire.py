@@ -108,6 +108,7 @@ def key_to_json(key: EmbeddingKey) -> dict:
         "grid": list(key.grid),
         "preprocess": key.preprocess_fingerprint,
         "model": key.model_fingerprint,
+        "levels": key.levels,  # part of the key's identity (and of the entry's layout): Qwen3-VL's deepstack
     }
 
 
@@ -116,7 +117,8 @@ def key_from_json(obj: object) -> EmbeddingKey:
         raise ProtocolError("key is not an object")
     try:
         grid = tuple(int(g) for g in obj["grid"])
-        return EmbeddingKey(str(obj["image_hash"]), grid, str(obj["preprocess"]), str(obj["model"]))
+        levels = int(obj.get("levels", 0))
+        return EmbeddingKey(str(obj["image_hash"]), grid, str(obj["preprocess"]), str(obj["model"]), levels)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad key: {exc}") from None
 

@@ -36,9 +36,9 @@ class WorkerDied(RuntimeError):
 def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The vision tower + merger the engine's ModelRunner builds, alone."""
     from encoder.models import build_vision_tower
-    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+    from lm_engine.models.registry import load_model_config
 
-    cfg = Qwen2VLConfig.from_dir(Path(model_dir))
+    cfg = load_model_config(Path(model_dir))
     return build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=device).eval()
 
 
@@ -53,9 +53,9 @@ def _hook(n: int) -> None:
 
 def _warm(tower: torch.nn.Module, model_dir: str, device: str) -> None:
     """One small image through the tower, so the first real batch does not pay the kernels' set-up."""
-    from lm_engine.models.qwen2_vl import Qwen2VLConfig
+    from lm_engine.models.registry import load_model_config
 
-    cfg = Qwen2VLConfig.from_dir(Path(model_dir))
+    cfg = load_model_config(Path(model_dir))
     merge, v = cfg.spatial_merge_size, cfg.vision
     dim = 3 * int(v.get("temporal_patch_size", 2)) * int(v.get("patch_size", 14)) ** 2
     side = 4 * merge

@@ -42,8 +42,8 @@ def test_batched_encoding_equals_one_at_a_time(tiny_ckpt):
     pipe, queued, all_queued = llm.engine.vision, [], threading.Event()
     enqueue, encode = pipe._enqueue, pipe.encode
 
-    def counted(job, px):
-        enqueue(job, px)
+    def counted(job, px, *rest):
+        enqueue(job, px, *rest)
         queued.append(job.key)
         if len(queued) == len(jobs):
             all_queued.set()
@@ -97,3 +97,44 @@ def test_bad_image_fails_only_its_request(tiny_ckpt):
     # The engine keeps serving.
     (again,) = llm.chat([user(image_part(good), "ok?")], GREEDY)
     assert again.token_ids == done["good"].token_ids
+
+
+def test_cancelled_keys_never_reach_the_tower_and_may_be_asked_again(tiny_ckpt):
+    llm = LLM(str(tiny_ckpt), embedding_cache_bytes=0)
+    pipe = llm.engine.vision
+    running, dropped, again = jobs_for(
+        llm, [make_image(224, 224, 51), make_image(160, 224, 52), make_image(224, 160, 53)]
+    )
+    # NOTE: the tower holds the first batch until the gate opens, so the other keys wait in the queue.
+    entered, gate, encode = threading.Event(), threading.Event(), pipe.encode
+
+    def gated(pixels, grid):
+        entered.set()
+        assert gate.wait(60)
+        return encode(pixels, grid)
+
+    pipe.encode = gated
+    pipe.submit([running])
+    assert entered.wait(60)
+    pipe.submit([dropped, again])
+    for _ in range(1200):  # a bound against hanging, not a pace
+        if pipe.queued == 2:
+            break
+        pipe.wait(0.05)
+    assert pipe.queued == 2
+    assert not pipe.cancel(running.key)  # in the tower: its result comes as usual
+    assert pipe.cancel(dropped.key) and pipe.cancel(again.key)
+    assert not pipe.cancel(dropped.key) and pipe.pending == 1
+    pipe.submit([again])  # asked again after its cancel: a fresh start; the stale copy stays dropped
+    gate.set()
+    results = []
+    for _ in range(2400):  # a bound against hanging, not a pace
+        results += pipe.take_results()
+        if len(results) >= 2:
+            break
+        pipe.wait(0.05)
+    assert sorted(r.key.image_hash for r in results) == sorted(j.key.image_hash for j in (running, again))
+    assert all(r.error is None for r in results)
+    assert pipe.stats.images == 2 and pipe.stats.cancelled == 2  # never the dropped key, again only once
+    assert pipe.pending == 0 and pipe.queued == 0 and pipe.take_results() == []
+    llm.close()

@@ -1,12 +1,14 @@
 """The engine through the encoder tier: greedy outputs equal the in-process encoder's whichever way the
 embeddings travel (shared memory, inline over TCP, Redis), and a pool that is too slow or unreachable costs
-a bounded wait, then a local encode or a 503 with Retry-After, never a hang or a leaked KV block.
+a bounded wait, then a local encode or a 503 with Retry-After, never a hang or a leaked KV block. Qwen3-VL's
+deepstack levels travel in the one entry.
 
 The pool's pace is set by its test hook (a held batch) and the client's deadline by an injected clock.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.config import ServerArgs
 from api.server import create_app
+from cache import codec
 from lm_engine import LLM, SamplingParams
 from lm_engine.config import EngineConfig
 from tests.conftest import ENGINE_REDIS_URL
@@ -176,3 +179,32 @@ def test_pool_too_slow_fail_mode_is_a_503_and_frees_everything(pool, tiny_ckpt):
             assert m["vlmserve_num_requests_running"] == 0 and m["vlmserve_num_requests_waiting"] == 0
     finally:
         pool.release()
+
+
+@pytest.mark.timeout(1800)  # NOTE: writes a checkpoint and starts a pool; minutes on a crowded machine
+def test_qwen3_deepstack_levels_through_the_pool_equal_in_process(qwen3_tiny_ckpt, monkeypatch):
+    """Qwen3-VL through ``encoder_workers=1``: every shipped entry carries all deepstack levels, and greedy
+    outputs equal the in-process encoder's."""
+    vision_cfg = json.loads((qwen3_tiny_ckpt / "config.json").read_text())["vision_config"]
+    levels, width = len(vision_cfg["deepstack_visual_indexes"]), vision_cfg["out_hidden_size"]
+    assert levels > 0
+    kw = dict(num_kv_blocks=128, embedding_cache_bytes=0)
+    with LLM(str(qwen3_tiny_ckpt), **kw) as llm:
+        want = [o.token_ids for o in llm.chat(mixed_requests(), GREEDY)]
+    entries, decode = [], codec.decode
+
+    def recorded(digest, data, want_levels=0):
+        emb = decode(digest, data, want_levels)
+        entries.append((bytes(data[8:9])[0], tuple(emb.shape)))  # the entry's own level count (byte 8)
+        return emb
+
+    monkeypatch.setattr("encoder.tier.client.codec.decode", recorded)
+    with LLM(str(qwen3_tiny_ckpt), encoder_workers=1, **kw) as llm:
+        got = [o.token_ids for o in llm.chat(mixed_requests(), GREEDY)]
+        vision = llm.engine.vision
+        assert vision._ship == "shm" and vision.remote.fallbacks == {} and vision.stats.images == 0
+    assert len(entries) >= 10 and all(
+        lv == levels and shape[1] == width * (1 + levels) for lv, shape in entries
+    )
+    for i, (g, e) in enumerate(zip(got, want, strict=True)):
+        assert g == e, f"request {i}"

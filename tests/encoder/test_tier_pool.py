@@ -1,5 +1,6 @@
 """`vlmserve encoder` as a process, spoken to by hand: the wire format, embeddings equal to the in-process
-encoder's, one encode per key across engines, a worker killed mid-batch, an engine that disconnects.
+encoder's, one encode per key across engines, a worker killed mid-batch, an engine that disconnects (its
+queued keys dropped unless another engine waits for them).
 
 The pace is set by the pool's test hook (workers hold each batch while a file exists), never by a deadline.
 """
@@ -23,6 +24,14 @@ from tests.support import make_image
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, tiny_ckpt):
     p = start_pool(tmp_path_factory.mktemp("pool"), tiny_ckpt, "--workers", "2")
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def lone_pool(tmp_path_factory, tiny_ckpt):
+    """One worker (one encoder thread): while it holds a batch, every other key waits in the queue."""
+    p = start_pool(tmp_path_factory.mktemp("lone_pool"), tiny_ckpt, "--workers", "1")
     yield p
     p.stop()
 
@@ -116,13 +125,16 @@ def test_engine_gone_while_its_embeddings_are_in_flight_leaves_nothing_behind(po
         eng.encode(i, eng.key(data, cfg), data)
     pool.wait_for(lambda s: s["waiting"] == 2, what="the engine's two waits")
     eng.close()
-    # Gone: its waits are dropped while its images are still held in a worker.
+    # Gone: its waits are dropped while its images are held in a worker (or still on their way to one).
     pool.wait_for(lambda s: s["waiting"] == 0, timeout=30, what="its waits dropped")
     pool.release()
     after = pool.wait_for(
         lambda s: s["pipeline_pending"] == 0 and s["keys_in_flight"] == 0, what="the pool drained"
     )
-    assert after["dropped"] - before["dropped"] == 2  # finished into the pool's cache, shipped nowhere
+    dropped, cancelled = after["dropped"] - before["dropped"], after["cancelled"] - before["cancelled"]
+    # Each image either finished into the pool's cache (dropped, shipped nowhere) or was never encoded.
+    assert dropped + cancelled == 2
+    assert after["images_encoded"] - before["images_encoded"] == dropped
     assert after["shipped"] == before["shipped"] and after["shipped_bytes"] == before["shipped_bytes"]
 
 
@@ -156,3 +168,43 @@ def test_local_pool_gives_up_cpu_priority_to_the_engine(tiny_ckpt):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_queued_keys_of_a_gone_engine_are_dropped_unless_another_engine_waits(lone_pool, inproc):
+    pool, cfg = lone_pool, inproc.engine.preprocess_config
+    running, alone, shared = make_image(256, 192, 106), make_image(192, 256, 107), make_image(224, 224, 108)
+    before = pool.stats()
+    started = pool.started_batches()
+    pool.hold()
+    gone, stays = RawEngine(pool.socket_path), RawEngine(pool.socket_path)
+    try:
+        k_running, k_alone, k_shared = (gone.key(d, cfg) for d in (running, alone, shared))
+        gone.encode(1, k_running, running)
+        pool.wait_batch_started(started)  # the only worker holds it: the keys below queue behind it
+        gone.encode(2, k_alone, alone)
+        gone.encode(3, k_shared, shared)
+        stays.encode(9, k_shared, shared)  # single flight: this engine waits for the same key
+        pool.wait_for(
+            lambda s: s["pipeline_queued"] == 2 and s["waiting"] == 4, what="two keys queued behind the batch"
+        )
+        gone.close()
+        mid = pool.wait_for(lambda s: s["waiting"] == 1, what="the gone engine's waits dropped")
+        assert mid["cancelled"] - before["cancelled"] == 1  # k_alone; k_running is in the tower already
+        assert mid["pipeline_pending"] == 2 and mid["keys_in_flight"] == 2  # k_running and k_shared
+        pool.release()
+        stays.sock.settimeout(120)  # a bound against hanging, not a pace
+        rid, emb, header = stays.result({9: k_shared})
+    finally:
+        pool.release()
+        gone.close()
+        stays.close()
+    assert rid == 9 and header["via"] == "shm"
+    torch.testing.assert_close(emb, encode_here(inproc, shared), rtol=1e-5, atol=1e-5)
+    after = pool.wait_for(
+        lambda s: s["pipeline_pending"] == 0 and s["keys_in_flight"] == 0 and s["pipeline_queued"] == 0,
+        what="the pool drained",
+    )
+    assert after["images_encoded"] - before["images_encoded"] == 2  # k_running and k_shared, never k_alone
+    assert after["dropped"] - before["dropped"] == 1  # k_running: finished into the pool's cache only
+    assert after["cancelled"] - before["cancelled"] == 1
+    assert after["waiting"] == 0 and after["shipped"]["shm"] - before["shipped"].get("shm", 0) == 1
