@@ -169,7 +169,13 @@ def _role(pid: int, ppid: int, root: int) -> str:
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     if b"resource_tracker" in cmd:
         return "resource_tracker"
-    return "forkserver" if ppid == root else "preprocess_worker"
+    if b"api.cli encoder" in cmd:
+        return "encoder_pool"  # serve --encoder-workers: the pool's own process
+    if b"spawn_main" in cmd:
+        return "encoder_worker"  # a pool's vision-tower process
+    if b"forkserver" in cmd:
+        return "forkserver"
+    return "preprocess_worker"
 
 
 @dataclass(slots=True)
