@@ -173,9 +173,7 @@ def _role(pid: int, ppid: int, root: int) -> str:
         return "encoder_pool"  # serve --encoder-workers: the pool's own process
     if b"spawn_main" in cmd:
         return "encoder_worker"  # a pool's vision-tower process
-    if b"forkserver" in cmd:
-        return "forkserver"
-    return "preprocess_worker"
+    return "forkserver" if ppid == root else "preprocess_worker"
 
 
 @dataclass(slots=True)
