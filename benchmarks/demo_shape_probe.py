@@ -1,0 +1,106 @@
+"""Can the demo preset's vision tower learn "which shape" from scratch? A probe for the train-demo recipe.
+
+Trains only the demo preset's vision tower (transformers' Qwen2-VL module, as ``vlmserve train-demo`` does)
+plus one linear head on each image's mean merged embedding to classify circle / square / triangle, and
+prints the batch accuracy every 20 steps (each batch is unseen: the accuracy before the update is a
+held-out figure). Two image sources:
+
+- ``--images task``: the task set's single-shape images (``lm_engine/models/demo_tasks.py``: colours on
+  neutral backgrounds, 64-1024 px, any aspect ratio, JPEG/PNG), preprocessed at ``--max-pixels``;
+- ``--images easy``: a black shape on white, 112 x 112, radius 20-40 px.
+
+Measured 2026-12-01 (AMD EPYC 2 vCPUs, avx512_bf16; the defaults: 32 images per step, lr 1e-3, bf16
+autocast, 181 steps): ``--images easy`` went from loss 1.10 to 0.40 (batch accuracy 0.56 at step 100, 0.81
+at step 180); ``--images task`` stayed at chance (loss 1.11 at step 180, ln 3 = 1.10) for 5,800 images, and
+a variant at 100,352 max_pixels did the same for 4,500. Whatever keeps train-demo's shape answers at chance
+is in the task set's images, not in the decoder: this probe is the cheap place to find which property.
+
+    .venv/bin/python benchmarks/demo_shape_probe.py --images easy
+    .venv/bin/python benchmarks/demo_shape_probe.py --images task --max-pixels 12544 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def easy_image(rng: random.Random) -> tuple[bytes, int]:
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (112, 112), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    kind, r = rng.randrange(3), rng.uniform(20, 40)
+    cx, cy = rng.uniform(r, 112 - r), rng.uniform(r, 112 - r)
+    if kind == 0:
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=(0, 0, 0))
+    elif kind == 1:
+        draw.rectangle([cx - 0.85 * r, cy - 0.85 * r, cx + 0.85 * r, cy + 0.85 * r], fill=(0, 0, 0))
+    else:
+        draw.polygon([(cx, cy - r), (cx - 0.87 * r, cy + r / 2), (cx + 0.87 * r, cy + r / 2)], fill=(0, 0, 0))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue(), kind
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", choices=["task", "easy"], default="task")
+    ap.add_argument("--max-pixels", type=int, default=12544)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from lm_engine.models import demo_tasks as tasks
+    from lm_engine.models import demo_train
+    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from preprocess.image import preprocess
+
+    torch.set_num_threads(2)
+    ckpt = make_checkpoint(Path(tempfile.mkdtemp(prefix="demo-probe-")), preset=demo_train.PRESET)
+    model = demo_train.build_model(0)
+    pre = demo_train.Encoder(ckpt).pre
+    head = torch.nn.Linear(model.config.text_config.hidden_size, 3)
+    opt = torch.optim.AdamW([*model.model.visual.parameters(), *head.parameters()], lr=args.lr)
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        if args.images == "easy":
+            batch = [easy_image(rng) for _ in range(args.batch)]
+        else:
+            exs = [tasks.sample(args.seed, step * args.batch + j, "single") for j in range(args.batch)]
+            batch = [(e.data, tasks.SHAPES.index(e.qa["shape"])) for e in exs]
+        patches = [preprocess(data, pre, args.max_pixels) for data, _ in batch]
+        pixels = torch.cat([torch.from_numpy(p.patches) for p in patches])
+        grid = torch.tensor([p.grid_thw for p in patches])
+        target = torch.tensor([k for _, k in batch])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            merged = model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            logits = head(torch.stack([m.mean(dim=0) for m in merged])).float()
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 20 == 0 or step == args.steps - 1:
+            acc = (logits.argmax(-1) == target).float().mean().item()
+            print(
+                f"step {step:4d}  loss {loss.item():.3f}  batch accuracy {acc:.2f}  {time.perf_counter() - t0:5.0f} s"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
