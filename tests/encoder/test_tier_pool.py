@@ -165,6 +165,10 @@ def test_local_pool_gives_up_cpu_priority_to_the_engine(tiny_ckpt):
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
         assert argv[argv.index(b"--threads") + 1] == b"1"
+        # and glibc returns freed pixel buffers: the worker processes start with a fixed mmap threshold
+        for pid in family[1:]:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                assert b"MALLOC_MMAP_THRESHOLD_=131072" in f.read().split(b"\0"), pid
     finally:
         proc.terminate()
         proc.wait(30)
