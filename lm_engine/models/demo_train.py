@@ -111,12 +111,12 @@ def make_batch(enc: Encoder, examples: list[tasks.Example], max_pixels: list[int
             if task_filter is not None and task != task_filter:
                 continue
             prompt, answer = enc.prompt(tasks.QUESTIONS[task], n_tok), enc.answer(ans)
-            seqs.append((i, task, prompt, answer))
-    length = max(len(p) + len(a) for _, _, p, a in seqs)
+            seqs.append((i, prompt, answer))
+    length = max(len(p) + len(a) for _, p, a in seqs)
     ids = torch.full((len(seqs), length), enc.ids["<|endoftext|>"], dtype=torch.long)
     mask = torch.zeros((len(seqs), length), dtype=torch.long)
     labels = torch.full((len(seqs), length), -100, dtype=torch.long)
-    for row, (_, _, prompt, answer) in enumerate(seqs):
+    for row, (_, prompt, answer) in enumerate(seqs):
         full = prompt + answer
         ids[row, : len(full)] = torch.tensor(full)
         mask[row, : len(full)] = 1
@@ -127,7 +127,6 @@ def make_batch(enc: Encoder, examples: list[tasks.Example], max_pixels: list[int
         "pixel_values": torch.cat(patches),
         "grid_thw": torch.tensor(grids, dtype=torch.long),
         "image_of_seq": torch.tensor([i for i, *_ in seqs]),
-        "tasks": [t for _, t, _, _ in seqs],
         "input_ids": ids,
         "attention_mask": mask,
         "labels": labels,
@@ -284,11 +283,8 @@ def build_model(seed: int) -> torch.nn.Module:
     return model
 
 
-def forward(
-    model, batch: dict, aux: AuxHeads | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mean loss, per-sequence exact match [S] bool, per-sequence answer-token count [S]); with ``aux``
-    the loss adds the auxiliary heads' loss."""
+def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, per-sequence exact match [S] bool); with ``aux`` the loss adds the auxiliary heads' loss."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     inner = model.model
@@ -317,7 +313,7 @@ def forward(
         pooled = torch.stack([f.mean(dim=0) for f in feats])
         dense = {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
         loss = loss + aux.loss(pooled, dense, batch["aux"])
-    return loss, exact, where.sum(dim=1)
+    return loss, exact
 
 
 def evaluate(
@@ -333,7 +329,7 @@ def evaluate(
             for task in {t for _, t in chunk}:
                 exs = [e for e, t in chunk if t == task]
                 batch = make_batch(enc, exs, [mp] * len(exs), task_filter=task)
-                _, exact, _ = forward(model, batch)
+                _, exact = forward(model, batch)
                 hits[task].extend(exact.tolist())
     model.train()
     return {t: sum(v) / len(v) for t, v in sorted(hits.items())}
@@ -386,7 +382,7 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, exact, _ = forward(model, batch, aux)
+            loss, exact = forward(model, batch, aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip)
