@@ -52,30 +52,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_encoder)
 
 
-# Pixel-patch and embedding buffers over this size get mappings of their own, returned to the system when
-# freed. NOTE: glibc's default raises the threshold to the largest block freed so far (up to 32 MB), after
-# which every image's buffers come from the heap and stay there: the pool's process grew 313 -> 1,002 MB over
-# 2,000 distinct images with the default and oscillated between 380 and 820 MB with 128 KB
-# (benchmarks/soak.py through --encoder-workers 1; benchmarks/README.md).
-MMAP_THRESHOLD = 128 * 1024
-
-
-def return_freed_buffers(threshold: int = MMAP_THRESHOLD) -> None:
-    """Fix glibc's mmap threshold in this process (mallopt) and, through the environment, in the worker
-    processes it starts, unless the environment already sets it."""
-    import ctypes
-    import ctypes.util
-
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(threshold))
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name)
-    if hasattr(libc, "mallopt"):  # glibc only; other allocators keep their own policy
-        m_mmap_threshold = -3
-        libc.mallopt(m_mmap_threshold, int(os.environ["MALLOC_MMAP_THRESHOLD_"]))
-
-
 def cmd_encoder(args: argparse.Namespace) -> int:
     from encoder.tier.server import TierSettings, serve_forever
 
@@ -87,6 +63,8 @@ def cmd_encoder(args: argparse.Namespace) -> int:
         import tempfile
 
         socket_path = os.path.join(tempfile.gettempdir(), f"vlmserve-encoder-{args.port}.sock")
+    from lm_engine.memory import return_freed_buffers
+
     logging.getLogger().setLevel(logging.INFO)
     return_freed_buffers()
     if args.nice:
