@@ -127,7 +127,9 @@ def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
     start, rows = 0, 0
     for t, h, w in GRIDS:
         alone = ours(pixels[start : start + t * h * w], torch.tensor([[t, h, w]]))
-        torch.testing.assert_close(packed[rows : rows + alone.shape[0]], alone, atol=1e-5, rtol=1e-5)
+        # NOTE: the BLAS picks its kernel by row count, so a row's float32 sums need not round the same
+        # packed as alone (an AMX Xeon differs by 1.2e-5): the tolerance against transformers' tower.
+        torch.testing.assert_close(packed[rows : rows + alone.shape[0]], alone, atol=2e-5, rtol=2e-5)
         start, rows = start + t * h * w, rows + alone.shape[0]
     assert rows == packed.shape[0]
 
