@@ -75,8 +75,8 @@ def vary_task_set(black_on_white: bool, radius: str | None) -> None:
             r = min(w, h) / 2 * rng.uniform(lo, hi)
             cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
             rgb = tasks._jitter(tasks.COLORS[color], rng)
-            tasks._draw_shape(tasks.ImageDraw.Draw(img), shape, cx, cy, r, rgb, rng)
-            return img, {"color": color, "shape": shape, "count": "1"}, ((cx, cy, shape),)
+            outline = tasks._draw_shape(tasks.ImageDraw.Draw(img), shape, cx, cy, r, rgb, rng)
+            return img, {"color": color, "shape": shape, "count": "1"}, ((cx, cy, shape),), (outline,)
 
         tasks._MAKERS["single"] = single
 
@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="LO,HI: task shapes' radius as a fraction of half the shorter side (the task set: 0.25,0.7)",
     )
+    ap.add_argument(
+        "--dense",
+        action="store_true",
+        help="also train per-patch heads: the kind of shape covering each patch, and how much of it",
+    )
     args = ap.parse_args(argv)
     vary_task_set(args.black_on_white, args.radius)
 
@@ -112,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     model = demo_train.build_model(0)
     pre = demo_train.Encoder(ckpt).pre
     head = torch.nn.Linear(model.config.text_config.hidden_size, 3)
-    opt = torch.optim.AdamW([*model.model.visual.parameters(), *head.parameters()], lr=args.lr)
+    patch_head = torch.nn.Linear(model.config.vision_config.embed_dim, 5)  # none + 3 kinds, coverage
+    params = [*model.model.visual.parameters(), *head.parameters(), *patch_head.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr)
     rng = random.Random(args.seed)
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -122,18 +129,45 @@ def main(argv: list[str] | None = None) -> int:
             exs = [tasks.sample(args.seed, step * args.batch + j, "single") for j in range(args.batch)]
             batch = [(e.data, tasks.SHAPES.index(e.qa["shape"])) for e in exs]
         patches = [preprocess(data, pre, args.max_pixels) for data, _ in batch]
+        if args.dense:
+            kinds, covers = [], []
+            for e, p in zip(exs, patches):
+                _, gh, gw = p.grid_thw
+                cov = torch.from_numpy(tasks.coverage(e, gh, gw)).amax(dim=0)  # [gh, gw], one shape
+                order = demo_train.patch_order(gh, gw)
+                label = tasks.SHAPES.index(e.qa["shape"]) + 1
+                kinds.append(torch.where(cov > 0.15, label, 0).flatten()[order])
+                covers.append(cov.flatten()[order])
+            kinds, covers = torch.cat(kinds), torch.cat(covers)
         pixels = torch.cat([torch.from_numpy(p.patches) for p in patches])
         grid = torch.tensor([p.grid_thw for p in patches])
         target = torch.tensor([k for _, k in batch])
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            merged = model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            out = model.model.get_image_features(pixels, grid, return_dict=True)
+            merged = out.pooler_output
             logits = head(torch.stack([m.mean(dim=0) for m in merged])).float()
+            dense = patch_head(out.last_hidden_state).float() if args.dense else None
         loss = torch.nn.functional.cross_entropy(logits, target)
+        if dense is not None:
+            dense_loss = torch.nn.functional.cross_entropy(dense[:, :4], kinds)
+            dense_loss = dense_loss + torch.nn.functional.mse_loss(torch.sigmoid(dense[:, 4]), covers) * 4
+            loss = loss + dense_loss
         opt.zero_grad()
         loss.backward()
         opt.step()
         if step % 20 == 0 or step == args.steps - 1:
             acc = (logits.argmax(-1) == target).float().mean().item()
+            if dense is not None:
+                # the image's shape read from its patches: the kind most probable over the covered patches
+                probs = dense[:, 1:4].softmax(-1) * (kinds > 0).unsqueeze(1)
+                sizes = [int(g.prod()) for g in grid]
+                votes = torch.stack([v.sum(0) for v in probs.split(sizes)])
+                edge = (covers > 0.05) & (covers < 0.95)
+                hits = dense[edge, :4].argmax(-1) == kinds[edge]
+                print(
+                    f"           patch vote accuracy {(votes.argmax(-1) == target).float().mean().item():.2f}"
+                    f"  edge-patch accuracy {hits.float().mean().item():.2f}"
+                )
             print(
                 f"step {step:4d}  loss {loss.item():.3f}  batch accuracy {acc:.2f}  {time.perf_counter() - t0:5.0f} s"
             )

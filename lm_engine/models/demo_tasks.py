@@ -87,6 +87,9 @@ class Example:
     # (x, y, label) of every object's centre in image pixels: label is a shape name or a digit, and a
     # shape's colour name follows after a space ("circle red"). Training reads them; scoring never does.
     objects: tuple[tuple[float, float, str], ...] = ()
+    # Each object's outline in image pixels, in the order of ``objects``: ("ellipse", (x0, y0, x1, y1)) or
+    # ("polygon", ((x, y), ...)); a digit's is its ink box. Training draws per-patch coverage from them.
+    outlines: tuple[tuple[str, tuple], ...] = ()
 
     def question(self, task: str) -> str:
         return QUESTIONS[task]
@@ -134,20 +137,25 @@ def _add_noise(img: Image.Image, rng: random.Random) -> Image.Image:
     return Image.blend(img, noise, rng.uniform(0.04, 0.10))
 
 
-def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, rgb, rng) -> None:
-    """A filled shape inscribed in the circle of radius ``r`` around (cx, cy)."""
+def _draw_shape(
+    draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, rgb, rng
+) -> tuple[str, tuple]:
+    """A filled shape inscribed in the circle of radius ``r`` around (cx, cy); returns its outline."""
     if kind == "circle":
-        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rgb)
-    elif kind == "square":
+        box = (cx - r, cy - r, cx + r, cy + r)
+        draw.ellipse(list(box), fill=rgb)
+        return "ellipse", box
+    if kind == "square":
         h = r / math.sqrt(2) * rng.uniform(0.85, 1.0)  # corners inside the circle: apart from its neighbours
         draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=rgb)
-    else:
-        turn = rng.uniform(-0.25, 0.25)  # mostly upright
-        pts = [
-            (cx + r * math.sin(turn + k * 2 * math.pi / 3), cy - r * math.cos(turn + k * 2 * math.pi / 3))
-            for k in range(3)
-        ]
-        draw.polygon(pts, fill=rgb)
+        return "polygon", ((cx - h, cy - h), (cx + h, cy - h), (cx + h, cy + h), (cx - h, cy + h))
+    turn = rng.uniform(-0.25, 0.25)  # mostly upright
+    pts = tuple(
+        (cx + r * math.sin(turn + k * 2 * math.pi / 3), cy - r * math.cos(turn + k * 2 * math.pi / 3))
+        for k in range(3)
+    )
+    draw.polygon(pts, fill=rgb)
+    return "polygon", pts
 
 
 def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
@@ -156,9 +164,9 @@ def _single(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     img = _background((w, h), rng.choice(BACKGROUNDS), rng)
     r = min(w, h) / 2 * rng.uniform(0.25, 0.7)  # under 40 % of the area: the shape is the minority colour
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
-    _draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
+    outline = _draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
     qa = {"color": color, "shape": shape, "count": "1", "describe": f"a {color} {shape}"}
-    return img, qa, ((cx, cy, f"{shape} {color}"),)
+    return img, qa, ((cx, cy, f"{shape} {color}"),), (outline,)
 
 
 def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
@@ -183,13 +191,13 @@ def _many(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
             break
     img = _background((w, h), rng.choice(BACKGROUNDS), rng)
     draw = ImageDraw.Draw(img)
-    objects = []
+    objects, outlines = [], []
     for cx, cy, r in circles:
         shape = rng.choice(SHAPES)
         color = rng.choice(list(COLORS))
-        _draw_shape(draw, shape, cx, cy, r, _jitter(COLORS[color], rng), rng)
+        outlines.append(_draw_shape(draw, shape, cx, cy, r, _jitter(COLORS[color], rng), rng))
         objects.append((cx, cy, f"{shape} {color}"))
-    return img, {"count": str(n), "describe": f"{n} shapes"}, tuple(objects)
+    return img, {"count": str(n), "describe": f"{n} shapes"}, tuple(objects), tuple(outlines)
 
 
 def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
@@ -226,7 +234,12 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     objects = tuple(
         (x + font.getlength(text[:i]) + font.getlength(ch) / 2, mid_y, ch) for i, ch in enumerate(text)
     )
-    return img, {"number": text, "describe": f"the number {text}"}, objects
+    outlines = []
+    for i, ch in enumerate(text):
+        x0, y0, x1, y1 = font.getbbox(ch)
+        dx = x + font.getlength(text[:i])
+        outlines.append(("polygon", ((dx + x0, y + y0), (dx + x1, y + y0), (dx + x1, y + y1), (dx + x0, y + y1))))
+    return img, {"number": text, "describe": f"the number {text}"}, objects, tuple(outlines)
 
 
 def _fits(bbox: tuple[int, int, int, int], w: int, h: int) -> bool:
@@ -243,7 +256,7 @@ def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = Non
     (the same picture: "PNG" gives its exact pixels, which is how the tests measure what it shows)."""
     rng = random.Random(f"vlmserve-demo:{seed}:{index}")
     kind = kind or rng.choice(KINDS)
-    img, qa, objects = _MAKERS[kind](rng)
+    img, qa, objects, outlines = _MAKERS[kind](rng)
     drawn = "JPEG" if rng.random() < 0.5 else "PNG"
     fmt = fmt or drawn
     buf = io.BytesIO()
@@ -251,7 +264,28 @@ def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = Non
         img.save(buf, format="JPEG", quality=rng.randint(80, 95))
     else:
         img.save(buf, format="PNG", compress_level=1)
-    return Example(kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa, objects=objects)
+    return Example(
+        kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa, objects=objects, outlines=outlines
+    )
+
+
+def coverage(example: Example, rows: int, cols: int, sub: int = 7) -> np.ndarray:
+    """[objects, rows, cols]: the fraction of each cell of a rows x cols grid over the whole image that each
+    object's outline covers (the image stretched to the grid, as the preprocessor's resize does)."""
+    width, height = example.size
+    sx, sy = cols * sub / width, rows * sub / height
+    out = np.zeros((len(example.outlines), rows, cols), dtype=np.float32)
+    for k, (form, coords) in enumerate(example.outlines):
+        mask = Image.new("L", (cols * sub, rows * sub), 0)
+        draw = ImageDraw.Draw(mask)
+        if form == "ellipse":
+            x0, y0, x1, y1 = coords
+            draw.ellipse([x0 * sx, y0 * sy, x1 * sx, y1 * sy], fill=255)
+        else:
+            draw.polygon([(x * sx, y * sy) for x, y in coords], fill=255)
+        cells = np.asarray(mask, dtype=np.float32).reshape(rows, sub, cols, sub) / 255.0
+        out[k] = cells.mean(axis=(1, 3))
+    return out
 
 
 def eval_set(seed: int, per_task: int) -> list[tuple[Example, str]]:

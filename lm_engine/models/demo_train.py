@@ -150,38 +150,52 @@ def aux_targets(examples: list[tasks.Example]) -> dict[str, torch.Tensor]:
 
 DENSE_LABELS = ("none", *tasks.SHAPES, *"0123456789")
 UNITS = ("patch", "token")
+COVERED = 0.15  # a cell is labelled with the object covering most of it, when that is at least this much
 
 
 def dense_targets(
     examples: list[tasks.Example], grids: list[tuple[int, int, int]]
 ) -> dict[str, torch.Tensor]:
-    """Which object's centre falls in each patch and in each merged token (in the tower's orders), and its
-    colour ("none" and ignored elsewhere).
+    """Per patch and per merged token, in the tower's orders: the label of the object covering most of the
+    cell (a shape kind or a digit; "none" under 15 %), that shape's colour (ignored elsewhere), the fraction
+    of the cell objects cover, and whether an object's centre falls in it.
 
-    A patch covers 14 x 14 pixels of the resized image and a merged token 2 x 2 patches; the object centres are
-    scaled from the original image's pixels. Patches are ordered by merge window, then row-major inside it.
+    A patch covers 14 x 14 pixels of the resized image and a merged token 2 x 2 patches; the outlines are
+    scaled from the original image's pixels. These targets are local: an edge patch shows its shape's kind
+    (axis-aligned, slanted or curved edge) whatever the colours, which is what lets a tower trained from
+    scratch learn shapes at all (a per-image shape head alone stayed at chance: benchmarks/demo_shape_probe.py).
     """
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     palette = list(tasks.COLORS)
     for ex, (_, gh, gw) in zip(examples, grids):
-        width, height = ex.size
+        names = [label.partition(" ") for _, _, label in ex.objects]
+        kinds = torch.tensor([DENSE_LABELS.index(name) for name, _, _ in names] or [0])
+        colours = torch.tensor([palette.index(c) if c else -100 for _, _, c in names] or [-100])
+        cov = torch.from_numpy(tasks.coverage(ex, gh, gw))  # [objects, gh, gw]
+        if cov.shape[0] == 0:
+            cov = torch.zeros((1, gh, gw))
         for unit, rows, cols in (("patch", gh, gw), ("token", gh // 2, gw // 2)):
-            kind = torch.zeros(rows * cols, dtype=torch.long)
-            color = torch.full((rows * cols,), -100, dtype=torch.long)
-            for x, y, label in ex.objects:
-                r = min(rows - 1, max(0, int(y * rows / height)))
-                c = min(cols - 1, max(0, int(x * cols / width)))
-                if unit == "patch":
-                    index = ((r // 2) * (gw // 2) + c // 2) * 4 + (r % 2) * 2 + c % 2
-                else:
-                    index = r * cols + c
-                name, _, colour = label.partition(" ")
-                kind[index] = DENSE_LABELS.index(name)
-                if colour:
-                    color[index] = palette.index(colour)
-            out[f"{unit}_kind"].append(kind)
-            out[f"{unit}_color"].append(color)
+            if unit == "token":
+                cov = cov.view(-1, rows, 2, cols, 2).mean(dim=(2, 4))
+            top, best = cov.max(dim=0)
+            covered = top >= COVERED
+            order = patch_order(rows, cols) if unit == "patch" else torch.arange(rows * cols)
+            out[f"{unit}_kind"].append(torch.where(covered, kinds[best], 0).flatten()[order])
+            out[f"{unit}_color"].append(torch.where(covered, colours[best], -100).flatten()[order])
+            out[f"{unit}_cover"].append(cov.sum(dim=0).clamp(max=1.0).flatten()[order])
+            centre = torch.zeros(rows, cols)
+            for x, y, _ in ex.objects:
+                width, height = ex.size
+                centre[min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))] = 1.0
+            out[f"{unit}_centre"].append(centre.flatten()[order])
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def patch_order(rows: int, cols: int) -> torch.Tensor:
+    """Row-major patch indices in the tower's order: by 2 x 2 merge window, row-major inside each."""
+    r = torch.arange(rows).view(rows // 2, 2, 1, 1).expand(rows // 2, 2, cols // 2, 2)
+    c = torch.arange(cols).view(1, 1, cols // 2, 2).expand(rows // 2, 2, cols // 2, 2)
+    return (r * cols + c).permute(0, 2, 1, 3).reshape(-1)
 
 
 def _digit_targets(number: str | None) -> list[int]:
@@ -191,13 +205,14 @@ def _digit_targets(number: str | None) -> list[int]:
 
 
 class AuxHeads(torch.nn.Module):
-    """Training-only classifiers on the tower's outputs (dropped from the checkpoint).
+    """Training-only heads on the tower's outputs (dropped from the checkpoint).
 
     Per image (the mean merged embedding): colour, shape, count and the digits. Per patch and per merged
-    token: which object's centre (a shape or a digit) falls there, and the shape's colour. They give the
-    vision tower a direct, dense gradient from the first step: from scratch, the decoder's loss alone left
-    colour at chance for 4,800 images, and image-level heads alone left shape at chance for 8,000 (both
-    measured on this CPU). The decoder still has to learn to read the answer from the image tokens.
+    token: the covering object's label and colour, the covered fraction, the object centres
+    (``dense_targets``). They give the vision tower a direct, dense gradient from the first step: from
+    scratch, the decoder's loss alone left colour at chance for 4,800 images, and image-level heads alone
+    left shape at chance for 8,000 (both measured). The decoder still learns to read the answer from the
+    image tokens.
     """
 
     def __init__(self, width: int, vision_width: int) -> None:
@@ -207,11 +222,9 @@ class AuxHeads(torch.nn.Module):
         self.count = torch.nn.Linear(width, 6)
         self.digits = torch.nn.Linear(width, AUX_DIGITS * 11)
         widths = {"patch": vision_width, "token": width}
-        self.dense_kind = torch.nn.ModuleDict(
-            {u: torch.nn.Linear(widths[u], len(DENSE_LABELS)) for u in UNITS}
-        )
-        self.dense_color = torch.nn.ModuleDict(
-            {u: torch.nn.Linear(widths[u], len(tasks.COLORS)) for u in UNITS}
+        # per cell: the covering object's label, its colour, the covered fraction and "a centre is here"
+        self.dense = torch.nn.ModuleDict(
+            {u: torch.nn.Linear(widths[u], len(DENSE_LABELS) + len(tasks.COLORS) + 2) for u in UNITS}
         )
 
     def loss(
@@ -219,18 +232,24 @@ class AuxHeads(torch.nn.Module):
     ) -> torch.Tensor:
         """``dense``: the tower's per-patch states ("patch") and merged tokens ("token")."""
         ce = torch.nn.functional.cross_entropy
+        bce = torch.nn.functional.binary_cross_entropy_with_logits
         total = pooled.new_zeros(())
+        n_labels, n_colors = len(DENSE_LABELS), len(tasks.COLORS)
         for unit in UNITS:
+            logits = self.dense[unit](dense[unit]).float()
+            kind_logits, color_logits = logits[:, :n_labels], logits[:, n_labels : n_labels + n_colors]
             kind = aux[f"{unit}_kind"]
-            kind_logits = self.dense_kind[unit](dense[unit]).float()
-            # every position, plus the object positions again: most hold no object centre
+            # every cell, plus the covered cells again: most cells are background
             total = total + ce(kind_logits, kind)
-            positive = kind > 0
-            if positive.any():
-                total = total + ce(kind_logits[positive], kind[positive])
+            covered = kind > 0
+            if covered.any():
+                total = total + ce(kind_logits[covered], kind[covered])
             color = aux[f"{unit}_color"]
             if (color != -100).any():
-                total = total + ce(self.dense_color[unit](dense[unit]).float(), color, ignore_index=-100)
+                total = total + ce(color_logits, color, ignore_index=-100)
+            total = total + bce(logits[:, -2], aux[f"{unit}_cover"])
+            centre = aux[f"{unit}_centre"]
+            total = total + bce(logits[:, -1], centre, pos_weight=torch.tensor(8.0))
         for name in ("color", "shape", "count"):
             target = aux[name]
             if (target != -100).any():
@@ -257,13 +276,15 @@ class TrainBatches(torch.utils.data.IterableDataset):
         kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
         for b in range(self.start, self.cfg.steps):
             rng = random.Random(f"vlmserve-demo-batch:{self.cfg.seed}:{b}")
-            examples, budgets = [], []
-            for j in range(self.cfg.batch_images):
-                kind = rng.choices(kinds, weights)[0]
-                examples.append(tasks.sample(self.cfg.seed, b * self.cfg.batch_images + j, kind))
-                fraction = rng.choices(fractions, shares)[0]
-                budgets.append(max(enc.pre.min_pixels, int(enc.pre.max_pixels * fraction)))
-            yield make_batch(enc, examples, budgets)
+            # NOTE: one budget per step: the sequences of a step are then of similar lengths, and padding
+            # them to the longest wastes a fifth of the decoder's work instead of two fifths.
+            fraction = rng.choices(fractions, shares)[0]
+            budget = max(enc.pre.min_pixels, int(enc.pre.max_pixels * fraction))
+            examples = [
+                tasks.sample(self.cfg.seed, b * self.cfg.batch_images + j, rng.choices(kinds, weights)[0])
+                for j in range(self.cfg.batch_images)
+            ]
+            yield make_batch(enc, examples, [budget] * len(examples))
 
 
 # ---------------------------------------------------------------- model

@@ -254,3 +254,31 @@ def test_global_random_state_does_not_change_the_output():
     a = tasks.sample(5, 0).data
     random.seed(2)
     assert tasks.sample(5, 0).data == a
+
+
+def test_outline_coverage_matches_the_drawn_pixels(lossless):
+    """``coverage`` (what training labels each patch with) against the pixels that differ from the background,
+    on a grid over the image: shapes and digits' ink boxes alike."""
+    checked = 0
+    for ex in lossless[:120]:
+        px = pixels(ex)
+        ink = np.linalg.norm(px - background(px), axis=2) > DIFFERS
+        h, w = ink.shape
+        rows, cols = max(2, h // 16), max(2, w // 16)
+        cov = tasks.coverage(ex, rows, cols, sub=16).sum(axis=0)
+        assert cov.shape == (rows, cols) and len(ex.outlines) == len(ex.objects)
+        # the pixel oracle on the same grid: each cell's share of differing pixels
+        ys = (np.arange(h) * rows // h)[:, None]
+        xs = (np.arange(w) * cols // w)[None, :]
+        cell = ys * cols + xs
+        seen = np.bincount(cell.ravel(), ink.ravel(), rows * cols) / np.bincount(cell.ravel(), None, rows * cols)
+        seen = seen.reshape(rows, cols)
+        if ex.kind == "number":
+            # ink boxes hold the glyphs' strokes and the gaps between them: every inked cell is in a box
+            assert (cov[seen > 0.05] > 0).all(), ex
+        else:
+            # filled shapes: the outline's share of each cell is the drawn share, up to rasterisation
+            assert np.abs(cov - seen).max() < 0.3, (ex, np.abs(cov - seen).max())
+            assert np.abs(cov - seen).mean() < 0.02
+        checked += 1
+    assert checked == 120
