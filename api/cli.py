@@ -116,7 +116,18 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seed", type=int, default=t("seed"), help="initialisation and task-set seed (default: %(default)s)"
     )
-    p.add_argument("--steps", type=int, default=t("steps"), help="optimizer steps (default: %(default)s)")
+    p.add_argument(
+        "--tower-steps",
+        type=int,
+        default=t("tower_steps"),
+        help="first phase: steps of the vision tower alone (default: %(default)s)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=t("steps"),
+        help="second phase: steps of the whole model (default: %(default)s)",
+    )
     p.add_argument(
         "--batch-images", type=int, default=t("batch_images"), help="images per step (default: %(default)s)"
     )
@@ -134,7 +145,11 @@ def train_demo_config(args: argparse.Namespace):
     from lm_engine.models.demo_train import TrainConfig
 
     return TrainConfig(
-        seed=args.seed, steps=args.steps, batch_images=args.batch_images, eval_every=args.eval_every
+        seed=args.seed,
+        tower_steps=args.tower_steps,
+        steps=args.steps,
+        batch_images=args.batch_images,
+        eval_every=args.eval_every,
     )
 
 
@@ -146,24 +161,23 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo_conversations() -> list[list[dict]]:
-    """A text prompt and one with a (noise) picture."""
-    import io
+def _demo_conversations() -> list[tuple[list[dict], str | None]]:
+    """(conversation, expected answer): a text prompt, and the task set's questions about three of its images
+    (the demo model's; any other model answers them as it can)."""
+    from lm_engine.models import demo_tasks
 
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    buf = io.BytesIO()
-    Image.fromarray((rng.random((448, 448, 3)) * 255).astype(np.uint8)).save(buf, format="JPEG")
-    picture = [
-        {"type": "image", "image": buf.getvalue()},
-        {"type": "text", "text": "What is in this picture?"},
+    convs: list[tuple[list[dict], str | None]] = [
+        ([{"role": "user", "content": "Write one sentence about paged attention."}], None)
     ]
-    return [
-        [{"role": "user", "content": "Write one sentence about paged attention."}],
-        [{"role": "user", "content": picture}],
-    ]
+    for index, kind in enumerate(("single", "many", "number")):
+        example = demo_tasks.sample(40_000, index, kind)
+        for task, answer in example.qa.items():
+            content = [
+                {"type": "image", "image": example.data},
+                {"type": "text", "text": example.question(task)},
+            ]
+            convs.append(([{"role": "user", "content": content}], answer))
+    return convs
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -175,26 +189,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (model: {llm.engine.config.model})")
     convs = _demo_conversations()
     t0 = time.perf_counter()
-    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
+    outs = llm.chat([c for c, _ in convs], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))
     dt = time.perf_counter() - t0
-    for out in outs:
-        print(
-            json.dumps(
-                {
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "visual_tokens": out.visual_tokens,
-                    "output_tokens": len(out.token_ids),
-                    "finish_reason": out.finish_reason,
-                    "text": out.text,
-                },
-                ensure_ascii=False,
-            )
-        )
+    for (conv, expected), out in zip(convs, outs):
+        content = conv[-1]["content"]
+        question = content if isinstance(content, str) else content[-1]["text"]
+        record = {
+            "question": question,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "visual_tokens": out.visual_tokens,
+            "output_tokens": len(out.token_ids),
+            "finish_reason": out.finish_reason,
+            "text": out.text,
+        }
+        if expected is not None:
+            record["expected"] = expected
+        print(json.dumps(record, ensure_ascii=False))
     total = sum(len(o.token_ids) for o in outs)
-    print(
-        f"{total} tokens in {dt:.2f}s ({total / dt:.1f} tok/s). The demo weights are random: the text is "
-        "meaningless, the pipeline and timings are real."
-    )
+    print(f"{total} tokens in {dt:.2f}s ({total / dt:.1f} tok/s)")
     return 0
 
 
@@ -258,7 +270,7 @@ def _default_model(args: argparse.Namespace) -> tuple[str, list[str]]:
     """The checkpoint to load and the names clients may use for it (the demo model without --model)."""
     if args.model is not None:
         return args.model, args.served_model_name or []
-    print("no --model given: using the demo checkpoint (random weights, generated once)", flush=True)
+    print("no --model given: serving the embedded demo model (trained on the synthetic task set)", flush=True)
     return default_checkpoint(), args.served_model_name or ["vlmserve-demo"]
 
 

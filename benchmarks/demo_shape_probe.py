@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also train per-patch heads: the kind of shape covering each patch, and how much of it",
     )
+    ap.add_argument("--filter-init", action="store_true", help="start the patch embedding from edge filters")
+    ap.add_argument("--eval-every", type=int, default=40, help="steps between held-out checks (96 images)")
     args = ap.parse_args(argv)
     vary_task_set(args.black_on_white, args.radius)
 
@@ -114,13 +116,30 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(2)
     ckpt = make_checkpoint(Path(tempfile.mkdtemp(prefix="demo-probe-")), preset=demo_train.PRESET)
-    model = demo_train.build_model(0)
+    model = demo_train.build_model(0, filter_init=args.filter_init)
     pre = demo_train.Encoder(ckpt).pre
     head = torch.nn.Linear(model.config.text_config.hidden_size, 3)
     patch_head = torch.nn.Linear(model.config.vision_config.embed_dim, 5)  # none + 3 kinds, coverage
     params = [*model.model.visual.parameters(), *head.parameters(), *patch_head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr)
     rng = random.Random(args.seed)
+    held = [tasks.sample(args.seed + 1000, i, "single") for i in range(96)]
+    held_pix = [preprocess(e.data, pre, args.max_pixels) for e in held]
+    held_target = torch.tensor([tasks.SHAPES.index(e.qa["shape"]) for e in held])
+
+    def held_out() -> str:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            pix = torch.cat([torch.from_numpy(p.patches) for p in held_pix])
+            grid = torch.tensor([p.grid_thw for p in held_pix])
+            out = model.model.get_image_features(pix, grid, return_dict=True)
+            pooled = head(torch.stack([m.mean(dim=0) for m in out.pooler_output])).float()
+            probs = patch_head(out.last_hidden_state).float()[:, :4].softmax(-1)
+            probs = probs[:, 1:]  # each patch votes with its probability of each kind (not "none")
+            votes = torch.stack([v.sum(0) for v in probs.split([int(g.prod()) for g in grid])])
+        a = (pooled.argmax(-1) == held_target).float().mean().item()
+        b = (votes.argmax(-1) == held_target).float().mean().item()
+        return f"held-out shape accuracy: pooled head {a:.2f}, patch vote {b:.2f}"
+
     t0 = time.perf_counter()
     for step in range(args.steps):
         if args.images == "easy":
@@ -155,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps - 1):
+            print(f"step {step:4d}  {held_out()}", flush=True)
         if step % 20 == 0 or step == args.steps - 1:
             acc = (logits.argmax(-1) == target).float().mean().item()
             if dense is not None:

@@ -238,7 +238,9 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     for i, ch in enumerate(text):
         x0, y0, x1, y1 = font.getbbox(ch)
         dx = x + font.getlength(text[:i])
-        outlines.append(("polygon", ((dx + x0, y + y0), (dx + x1, y + y0), (dx + x1, y + y1), (dx + x0, y + y1))))
+        outlines.append(
+            ("polygon", ((dx + x0, y + y0), (dx + x1, y + y0), (dx + x1, y + y1), (dx + x0, y + y1)))
+        )
     return img, {"number": text, "describe": f"the number {text}"}, objects, tuple(outlines)
 
 

@@ -24,11 +24,11 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
     calls: list[tuple[str, TrainConfig]] = []
     monkeypatch.setattr(demo_train, "train", lambda out, cfg: calls.append((out, cfg)) or Path(out))
     out = str(tmp_path / "ckpt")
-    flags = ["--seed", "3", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
+    flags = ["--seed", "3", "--tower-steps", "9", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
     assert calls == [
-        (out, TrainConfig(seed=3, steps=17, batch_images=5, eval_every=0)),
+        (out, TrainConfig(seed=3, tower_steps=9, steps=17, batch_images=5, eval_every=0)),
         (out, TrainConfig()),
     ]
     with pytest.raises(SystemExit):
@@ -42,7 +42,7 @@ def demo_ckpt(tmp_path_factory) -> Path:
     cost about 23 s of CPU (measured with train()), too much for the suite; the CLI test covers the
     path from flags to train()."""
     out = make_checkpoint(tmp_path_factory.mktemp("demo_ckpt"), preset=demo_train.PRESET, seed=0)
-    demo_train.save_weights(demo_train.build_model(seed=0), out)
+    demo_train.save_weights(demo_train.build_model(seed=0), out)  # with the designed patch filters
     return out
 
 

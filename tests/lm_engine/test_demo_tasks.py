@@ -271,7 +271,9 @@ def test_outline_coverage_matches_the_drawn_pixels(lossless):
         ys = (np.arange(h) * rows // h)[:, None]
         xs = (np.arange(w) * cols // w)[None, :]
         cell = ys * cols + xs
-        seen = np.bincount(cell.ravel(), ink.ravel(), rows * cols) / np.bincount(cell.ravel(), None, rows * cols)
+        seen = np.bincount(cell.ravel(), ink.ravel(), rows * cols) / np.bincount(
+            cell.ravel(), None, rows * cols
+        )
         seen = seen.reshape(rows, cols)
         if ex.kind == "number":
             # ink boxes hold the glyphs' strokes and the gaps between them: every inked cell is in a box
