@@ -17,7 +17,7 @@ from lm_engine.sampling_params import SamplingParams
 class LLM:
     """``LLM(model=DIR, **engine options).chat(conversations, SamplingParams(...))``.
 
-    With ``model=None`` it serves the embedded demo checkpoint (random weights, generated once).
+    With ``model=None`` it serves the embedded demo model (``lm_engine/models/demo.py``).
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:

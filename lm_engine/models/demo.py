@@ -1,4 +1,11 @@
-"""The embedded demo checkpoint: generated once into a cache directory, so a fresh machine needs no download."""
+"""The embedded demo model: a trained checkpoint shipped in the repository, so a fresh machine needs no
+download and no training.
+
+``lm_engine/models/demo_checkpoint/`` holds what ``vlmserve train-demo`` wrote (bf16 safetensors, the tokenizer,
+chat template and processor config); it answers the synthetic task set's five questions
+(``lm_engine/models/demo_tasks.py``). ``VLMSERVE_DEMO_PRESET=tiny|small|...`` asks for a random-weight preset
+instead, generated once into a cache directory (for load tests that want a bigger or smaller model).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-DEMO_PRESET = os.environ.get("VLMSERVE_DEMO_PRESET", "small")
+SHIPPED = Path(__file__).resolve().parent / "demo_checkpoint"
 DEMO_SEED = 0
 # Bump when the generator's output changes, so stale caches are rebuilt rather than trusted.
 DEMO_VERSION = 1
@@ -21,10 +28,22 @@ def cache_dir() -> Path:
 
 
 def demo_checkpoint(preset: str | None = None) -> Path:
-    """Path of the demo checkpoint, generating it on first use (safe against concurrent first uses)."""
+    """The shipped demo checkpoint; with ``preset`` (or ``VLMSERVE_DEMO_PRESET``) a random-weight checkpoint
+    of that preset, generated on first use (safe against concurrent first uses)."""
+    preset = preset or os.environ.get("VLMSERVE_DEMO_PRESET")
+    if not preset:
+        if not (SHIPPED / "model.safetensors").is_file():
+            raise FileNotFoundError(
+                f"the shipped demo checkpoint is missing ({SHIPPED}/model.safetensors): restore it from git, "
+                "or set VLMSERVE_DEMO_PRESET=small for random weights"
+            )
+        return SHIPPED
+    return random_checkpoint(preset)
+
+
+def random_checkpoint(preset: str) -> Path:
     from lm_engine.models.qwen2_vl_make import make_checkpoint
 
-    preset = preset or DEMO_PRESET
     target = cache_dir() / f"demo-qwen2-vl-{preset}-s{DEMO_SEED}-v{DEMO_VERSION}"
     done = target / ".complete"
     if done.is_file():
