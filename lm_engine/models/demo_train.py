@@ -3,15 +3,16 @@
 Two phases. First the vision tower alone (``tower_steps``): per-image and per-patch auxiliary heads, no
 decoder, which runs about twice as many images a second; then the whole model (``steps``) on the answers,
 the auxiliary heads still on. The per-patch targets come from the objects' outlines (which object covers
-each patch, its colour, the covered fraction, the centres). Without them and the first phase the tower never
-left chance on shapes within 45 minutes; with them its shape head went from ~45 % to 96 % between about
-13,000 and 19,000 images (the run that wrote the shipped demo model; README, "The demo model").
+each patch, its colour, the covered fraction, the centres). Without them and the first phase, shapes stayed
+at chance in every run so far (the longest: 750 steps of 16 images, 20 minutes); with them the tower's shape
+head went from ~45 % to 96 % between about 13,000 and 19,000 images (the run that wrote the shipped demo
+model; README, "The demo model").
 
 Deterministic for a seed on a given machine: batch ``b`` holds task-set examples ``[b*B, (b+1)*B)``, the
 weights start from transformers' own initialisation under a fixed seed (the patch embedding from designed
-edge filters), and the run is a fixed number of optimizer steps (never "as many as fit in the time"). Each image is encoded once per step and every
-question it answers is a separate sequence reusing its embedding, so one vision forward/backward pays for
-two to four answers. Some images are shown at a lower visual budget (the server's ladder), so the model
+edge filters), and the run is a fixed number of optimizer steps (never "as many as fit in the time"). Each
+image is encoded once per step and every question it answers is a separate sequence reusing its embedding,
+so one vision forward/backward pays for two to four answers. Some images are shown at a lower visual budget (the server's ladder), so the model
 degrades gracefully when the budget controller lowers it.
 
 Progress (step, loss, exact-match accuracy on the batch, images/s, ETA) goes to stderr; every
