@@ -12,8 +12,8 @@ Deterministic for a seed on a given machine: batch ``b`` holds task-set examples
 weights start from transformers' own initialisation under a fixed seed (the patch embedding from designed
 edge filters), and the run is a fixed number of optimizer steps (never "as many as fit in the time"). Each
 image is encoded once per step and every question it answers is a separate sequence reusing its embedding,
-so one vision forward/backward pays for two to four answers. Some images are shown at a lower visual budget (the server's ladder), so the model
-degrades gracefully when the budget controller lowers it.
+so one vision forward/backward pays for two to four answers. Some images are shown at a lower visual budget
+(the server's ladder), so the model degrades gracefully when the budget controller lowers it.
 
 Progress (step, loss, exact-match accuracy on the batch, images/s, ETA) goes to stderr; every
 ``eval_every`` steps the held-out accuracy per task is measured by teacher forcing, which equals greedy
@@ -66,7 +66,7 @@ class TrainConfig:
     budget_mix: tuple[tuple[float, float], ...] = ((1.0, 0.25), (0.5, 0.25), (0.25, 0.5))
     aux_heads: bool = True
     # Phase 1: the vision tower alone on the auxiliary heads (no decoder), ``tower_steps`` steps of
-    # ``tower_batch_images``: it sees images about three times as fast as the whole model, and shapes and
+    # ``tower_batch_images``: it sees images about twice as fast as the whole model, and shapes and
     # digits are what the tower is slow to learn. Phase 2 (``steps``) then trains everything.
     tower_steps: int = 850
     tower_batch_images: int = 32
@@ -190,6 +190,7 @@ def dense_targets(
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     palette = list(tasks.COLORS)
     for ex, (_, gh, gw) in zip(examples, grids):
+        width, height = ex.size
         names = [label.partition(" ") for _, _, label in ex.objects]
         kinds = torch.tensor([DENSE_LABELS.index(name) for name, _, _ in names] or [0])
         colours = torch.tensor([palette.index(c) if c else -100 for _, _, c in names] or [-100])
@@ -207,7 +208,6 @@ def dense_targets(
             out[f"{unit}_cover"].append(cov.sum(dim=0).clamp(max=1.0).flatten()[order])
             centre = torch.zeros(rows, cols)
             for x, y, _ in ex.objects:
-                width, height = ex.size
                 centre[min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))] = 1.0
             out[f"{unit}_centre"].append(centre.flatten()[order])
     return {k: torch.cat(v) for k, v in out.items()}
@@ -396,13 +396,23 @@ def build_model(seed: int, filter_init: bool = True) -> torch.nn.Module:
     return model
 
 
+def encode_images(
+    model, batch: dict
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, dict[str, torch.Tensor]]:
+    """The tower on a batch's images: (merged tokens per image, their means [N, width], the auxiliary heads'
+    per-cell inputs: the per-patch states and the merged tokens)."""
+    vision = model.model.get_image_features(batch["pixel_values"], batch["grid_thw"], return_dict=True)
+    feats = vision.pooler_output
+    pooled = torch.stack([f.mean(dim=0) for f in feats])
+    return feats, pooled, {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
+
+
 def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sequence exact match [S] bool); with ``aux`` the loss adds the auxiliary heads' loss."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     inner = model.model
-    vision = inner.get_image_features(batch["pixel_values"], batch["grid_thw"], return_dict=True)
-    feats = vision.pooler_output
+    feats, pooled, dense = encode_images(model, batch)
     per_seq = tuple(feats[i] for i in batch["image_of_seq"].tolist())
     ids = batch["input_ids"]
     image_pad = model.config.image_token_id
@@ -423,18 +433,13 @@ def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tens
     hit[where] = logits.argmax(-1) == target
     exact = (hit | ~where).all(dim=1)
     if aux is not None:
-        pooled = torch.stack([f.mean(dim=0) for f in feats])
-        dense = {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
         loss = loss + aux.loss(pooled, dense, batch["aux"])
     return loss, exact
 
 
 def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, torch.Tensor]:
     """The tower's phase: (auxiliary loss, per-image shape hit of the shape head [N] bool, where it applies)."""
-    vision = model.model.get_image_features(batch["pixel_values"], batch["grid_thw"], return_dict=True)
-    feats = vision.pooler_output
-    pooled = torch.stack([f.mean(dim=0) for f in feats])
-    dense = {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
+    _, pooled, dense = encode_images(model, batch)
     shape = batch["aux"]["shape"]
     hits = aux.shape(pooled).argmax(-1)[shape != -100] == shape[shape != -100]
     return aux.loss(pooled, dense, batch["aux"]), hits
