@@ -137,6 +137,13 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         default=t("eval_every"),
         help="steps between held-out accuracy checks, 0 for none (default: %(default)s)",
     )
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default=t("compute_dtype"),
+        help="matmuls under bfloat16 autocast or in float32; auto: bfloat16 where a start-up timing finds it "
+        "fast on this CPU (AVX512-BF16, AMX), float32 where it is emulated (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_train_demo)
 
 
@@ -150,6 +157,7 @@ def train_demo_config(args: argparse.Namespace):
         steps=args.steps,
         batch_images=args.batch_images,
         eval_every=args.eval_every,
+        compute_dtype=args.compute_dtype,
     )
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from lm_engine.config import cpu_matmul_is_fast
 from lm_engine.models import demo_tasks as tasks
 from lm_engine.models.qwen2_vl_make import (
     PRESETS,
@@ -77,6 +78,21 @@ class TrainConfig:
     eval_fraction: float = 1.0  # the held-out check's budget, as a fraction of max_pixels
     eval_seed: int = 10_000  # held out: training draws from `seed`
     threads: int = 2
+    # matmuls under bfloat16 autocast ("bfloat16"), in float32, or "auto": bfloat16 where this CPU's
+    # start-up probe finds it fast (AVX512-BF16, AMX), float32 where it would be emulated (AVX2 only:
+    # 30-100× slower). The shipped checkpoint was trained under bfloat16 autocast.
+    compute_dtype: str = "auto"
+
+    def bf16(self) -> bool:
+        """Whether the forward passes run under bfloat16 autocast (``compute_dtype`` resolved)."""
+        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"compute_dtype {self.compute_dtype!r}: use auto, bfloat16 or float32")
+        if self.compute_dtype == "auto":
+            return cpu_matmul_is_fast(torch.bfloat16)
+        return self.compute_dtype == "bfloat16"
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16())
 
 
 # ---------------------------------------------------------------- data
@@ -452,7 +468,7 @@ def evaluate(
     model.eval()
     hits: dict[str, list[bool]] = defaultdict(list)
     mp = max_pixels or enc.pre.max_pixels
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), cfg.autocast():
         for start in range(0, len(examples), 8):
             chunk = examples[start : start + 8]
             for task in {t for _, t in chunk}:
@@ -493,7 +509,8 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     )
     log(
         f"[train-demo] {n_params / 1e6:.1f}M parameters: {cfg.tower_steps} tower steps of "
-        f"{cfg.tower_batch_images} images, then {cfg.steps} steps of {cfg.batch_images}"
+        f"{cfg.tower_batch_images} images, then {cfg.steps} steps of {cfg.batch_images}, "
+        f"{'under bfloat16 autocast' if cfg.bf16() else 'in float32 (bfloat16 is slow on this CPU)'}"
     )
     named = list(model.named_parameters()) + (list(aux.named_parameters(prefix="aux")) if aux else [])
     decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
@@ -518,7 +535,7 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     for step, batch in enumerate(loader):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cfg.autocast():
             loss, exact = forward(model, batch, aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -544,6 +561,7 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
         "parameters": n_params,
         "seconds": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
+        "autocast": "bfloat16" if cfg.bf16() else "float32",
     }
     (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
@@ -560,7 +578,7 @@ def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0:
     for step, batch in enumerate(loader):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg, cfg.tower_steps, cfg.tower_lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with cfg.autocast():
             loss, hits = forward_tower(model, batch, aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -25,14 +25,36 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
     monkeypatch.setattr(demo_train, "train", lambda out, cfg: calls.append((out, cfg)) or Path(out))
     out = str(tmp_path / "ckpt")
     flags = ["--seed", "3", "--tower-steps", "9", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
+    flags += ["--compute-dtype", "float32"]
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
     assert calls == [
-        (out, TrainConfig(seed=3, tower_steps=9, steps=17, batch_images=5, eval_every=0)),
+        (
+            out,
+            TrainConfig(
+                seed=3, tower_steps=9, steps=17, batch_images=5, eval_every=0, compute_dtype="float32"
+            ),
+        ),
         (out, TrainConfig()),
     ]
     with pytest.raises(SystemExit):
         main(["train-demo"])  # --out is required
+
+
+def test_compute_dtype_follows_the_probe(monkeypatch):
+    """auto: bfloat16 autocast only where the start-up probe finds bfloat16 matmuls fast (emulated bfloat16 on
+    an AVX2-only CPU would make the 45-minute run take hours); an explicit choice is obeyed."""
+    for fast in (True, False):
+        monkeypatch.setattr(demo_train, "cpu_matmul_is_fast", lambda dtype, fast=fast: fast)
+        assert TrainConfig().bf16() is fast
+        assert TrainConfig().autocast().fast_dtype == torch.bfloat16
+        with TrainConfig().autocast():
+            assert torch.is_autocast_enabled("cpu") is fast
+        assert (
+            TrainConfig(compute_dtype="bfloat16").bf16() and not TrainConfig(compute_dtype="float32").bf16()
+        )
+    with pytest.raises(ValueError, match="compute_dtype"):
+        TrainConfig(compute_dtype="fp8").bf16()
 
 
 @pytest.fixture(scope="module")
