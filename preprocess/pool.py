@@ -33,6 +33,7 @@ from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 
+from preprocess import forkserver
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
 from preprocess.image import PixelPatches
@@ -41,7 +42,7 @@ from preprocess.worker import READY, Failed, Job, create_segment, slot_name, wor
 log = logging.getLogger(__name__)
 
 # Imported once in the forkserver, so each (re)started worker forks with them loaded.
-_PRELOAD = ["preprocess.worker", "torch", "torchvision.transforms.v2.functional"]
+forkserver.register(["torch", "preprocess.worker", "torchvision.transforms.v2.functional"])
 
 
 @dataclass(slots=True)
@@ -96,9 +97,7 @@ class PreprocessPool:
         self.on_latency = on_latency
         self.leases_per_worker = leases_per_worker
         self.stats = PoolStats()
-        self._ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            self._ctx.set_forkserver_preload(_PRELOAD)
+        self._ctx = forkserver.context() if start_method == "forkserver" else mp.get_context("spawn")
         self._fault_prefix = _fault_prefix
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()

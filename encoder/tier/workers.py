@@ -21,11 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from preprocess import forkserver
+
 log = logging.getLogger("vlmserve.encoder.tier")
 
 # Test hook: with this set to a directory, a worker announces each batch as a file ``batch-<pid>-<n>`` and
 # holds it while ``<dir>/hold`` exists, so a test can kill or delay a worker mid-batch deterministically.
 HOOK_ENV = "VLMSERVE_ENCODER_TEST_HOOKS"
+forkserver.register(["torch", "encoder.tier.workers", "encoder.models", "encoder.pipeline"])
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -123,7 +126,9 @@ class WorkerPool:
         self.size = workers
         self.stats = PoolStats()
         self.fingerprint: str | None = None
-        self._ctx = mp.get_context("spawn")
+        # NOTE: forked from the process's preloaded forkserver, never from this process (its torch threads
+        # are running): a worker starts, or restarts after a crash, without importing torch again.
+        self._ctx = forkserver.context()
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._all: dict[int, _Worker] = {}
         self._lock = threading.Lock()
