@@ -7,14 +7,14 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from tests.api.conftest import REPO, start_server
+from api.cli import main
+from tests.api.conftest import start_server
 from tests.support import data_url, free_port, make_image
 
 PINNED = 2  # 25 % of max_pixels
@@ -85,16 +85,21 @@ def test_auto_images_get_the_pinned_level(pinned_server, tiny_ckpt):
     assert pinned_server.metrics()["vlmserve_visual_budget_level"] == PINNED
 
 
-def serve_fails(ckpt: Path, *flags: str) -> str:
-    """`vlmserve serve` with ``flags``: must exit non-zero before it loads anything; returns its stderr."""
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--model", str(ckpt), "--port", str(free_port()), *flags]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0, done.stdout[-2000:]
-    return done.stderr
+def serve_fails(monkeypatch, ckpt: Path, *flags: str) -> str:
+    """`vlmserve serve` with ``flags``, in this process: must exit before it loads anything (reaching the
+    server fails the test); returns its message."""
+    import api.server
+    import lm_engine.memory
+
+    monkeypatch.setattr(api.server, "run_server", lambda *a, **k: pytest.fail("the server started"))
+    monkeypatch.setattr(lm_engine.memory, "bound_native_caches", lambda: None)  # leave this process's env
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", str(ckpt), "--port", str(free_port()), *flags])
+    return str(exc.value.code)
 
 
-def test_a_level_off_the_ladder_is_a_clear_cli_error(tiny_ckpt):
-    err = serve_fails(tiny_ckpt, "--visual-budget", "fixed", "--visual-level", "4")
+def test_a_level_off_the_ladder_is_a_clear_cli_error(tiny_ckpt, monkeypatch):
+    err = serve_fails(monkeypatch, tiny_ckpt, "--visual-budget", "fixed", "--visual-level", "4")
     assert "--visual-level 4 is not a level" in err and "levels 0..3" in err
-    err = serve_fails(tiny_ckpt, "--visual-level", "1")  # the default budget is adaptive
+    err = serve_fails(monkeypatch, tiny_ckpt, "--visual-level", "1")  # the default budget is adaptive
     assert "--visual-budget fixed" in err

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from api.cli import main
+from api.cluster import command
 from api.cluster.haproxy import BalancerConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -17,6 +19,24 @@ def vlmserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "api.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture
+def refused(monkeypatch, capsys):
+    """``vlmserve cluster`` in this process (no interpreter to start): returns (exit code, stderr); anything
+    that got as far as starting the cluster fails the test instead."""
+    monkeypatch.setattr(command, "run_cluster", lambda spec: pytest.fail(f"the cluster started: {spec}"))
+
+    def run(*args: str) -> tuple[int, str]:
+        try:
+            return main(list(args)), capsys.readouterr().err
+        except SystemExit as exc:  # argparse has printed its message; a SystemExit("text") carries it
+            err = capsys.readouterr().err
+            if isinstance(exc.code, int):
+                return exc.code, err
+            return 1, err + str(exc.code)
+
+    return run
 
 
 def test_write_config_for_a_balancer_elsewhere_is_valid_haproxy(haproxy_bin, tmp_path):
@@ -34,11 +54,11 @@ def test_write_config_for_a_balancer_elsewhere_is_valid_haproxy(haproxy_bin, tmp
     assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_flags_the_cluster_owns_and_typos_are_refused_before_starting(tmp_path):
-    out = vlmserve("cluster", "--model", str(tmp_path), "--", "--port", "9")
-    assert out.returncode != 0 and "--port is set by the cluster" in out.stderr
-    out = vlmserve("cluster", "--model", str(tmp_path), "--", "--max-num-seqz", "9")
-    assert out.returncode != 0 and "unrecognized arguments: --max-num-seqz" in out.stderr
+def test_flags_the_cluster_owns_and_typos_are_refused_before_starting(tmp_path, refused):
+    code, err = refused("cluster", "--model", str(tmp_path), "--", "--port", "9")
+    assert code != 0 and "--port is set by the cluster" in err
+    code, err = refused("cluster", "--model", str(tmp_path), "--", "--max-num-seqz", "9")
+    assert code != 0 and "unrecognized arguments: --max-num-seqz" in err
     assert not list(tmp_path.iterdir())  # nothing was started or written
 
 
