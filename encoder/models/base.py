@@ -26,6 +26,21 @@ class PatchGeometry:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
+def pass_groups(sizes: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive images ([first, end) index ranges) whose patch counts sum to at most ``budget`` each; an
+    image over the budget makes a pass alone. ``budget`` 0: one pass."""
+    if budget <= 0 or not sizes:
+        return [(0, len(sizes))]
+    groups, first, rows = [], 0, 0
+    for i, n in enumerate(sizes):
+        if i > first and rows + n > budget:
+            groups.append((first, i))
+            first, rows = i, 0
+        rows += n
+    groups.append((first, len(sizes)))
+    return groups
+
+
 class VisionTower(nn.Module):
     """Contract: ``forward(pixel_values [Σ patches, C·T·P·P], grid_thw [images, 3])`` → the merged rows of
     every image, in order ([Σ patches / merge², out_dim], the tower's dtype); an image's rows do not depend
@@ -36,11 +51,33 @@ class VisionTower(nn.Module):
 
     prefixes = ("visual.", "model.visual.")
     levels = 0  # deepstack levels after the main embedding in each row
+    # NOTE: one pass runs every block over at most this many patches (a larger image alone): on a 2-core
+    # AVX2 EPYC, ten images of 256-4,920 patches in one pass took 23.6 s, one image per pass 20.4 s; the
+    # activations of a pass that stay in cache outweigh fewer, larger matmuls. 0: everything in one pass.
+    rows_per_pass = 4096
 
     def __init__(self, num_heads: int, head_dim: int, attention: str = "auto") -> None:
         super().__init__()
         self._attention = (attention, num_heads, head_dim)
         self.attend: VarlenAttention | None = None
+
+    @torch.no_grad()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The batch's images in passes of consecutive images (:func:`pass_groups`), rows concatenated."""
+        sizes = [int(t * h * w) for t, h, w in grid_thw.tolist()]
+        groups = pass_groups(sizes, self.rows_per_pass)
+        if len(groups) == 1:
+            return self.encode_pass(pixel_values, grid_thw)
+        out, row = [], 0
+        for first, end in groups:
+            rows = sum(sizes[first:end])
+            out.append(self.encode_pass(pixel_values[row : row + rows], grid_thw[first:end]))
+            row += rows
+        return torch.cat(out)
+
+    def encode_pass(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """One packed pass over these images (the family's tower)."""
+        raise NotImplementedError
 
     @property
     def dtype(self) -> torch.dtype:

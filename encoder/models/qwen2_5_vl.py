@@ -148,8 +148,7 @@ class Qwen25VisionTower(VisionTower):
         windowed = Segments.of_lengths([n * unit for n in windows])
         return VisionBatch(full, cos, sin), VisionBatch(windowed, cos, sin), units
 
-    @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode_pass(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         attend = self.attend or self.select_attention()
         full, windowed, units = self.metadata(grids_of(grid_thw), pixel_values.device)
         unit = self.cfg.spatial_merge_size**2

@@ -178,8 +178,7 @@ class Qwen2VisionTower(VisionTower):
         )
         return VisionBatch(segments, cos.to(device), sin.to(device))
 
-    @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode_pass(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         attend = self.attend or self.select_attention()
         batch = self.metadata(grids_of(grid_thw), pixel_values.device)
         x = self.patch_embed(pixel_values.to(self.dtype))

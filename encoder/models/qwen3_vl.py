@@ -167,8 +167,7 @@ class Qwen3VisionTower(VisionTower):
         rows = self.pos_embed(index.to(device))
         return (rows * weight.to(device)[:, :, None]).sum(1)
 
-    @torch.no_grad()
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def encode_pass(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         attend = self.attend or self.select_attention()
         grids = grids_of(grid_thw)
         device = pixel_values.device

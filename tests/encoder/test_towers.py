@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
+from encoder.models.base import pass_groups
 
 KERNEL = cpu_kernel.load() is not None
 ATTENTIONS = [
@@ -123,6 +124,7 @@ def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
     _, ckpt = hf_and_ckpt
     ours = build_vision_tower(json.loads((ckpt / "config.json").read_text()), ckpt, attention=attention)
     pixels, grid = pixels_for(GRIDS, seed=2)
+    ours.rows_per_pass = 0  # every image in one packed pass
     packed = ours(pixels, grid)
     start, rows = 0, 0
     for t, h, w in GRIDS:
@@ -132,6 +134,34 @@ def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
         torch.testing.assert_close(packed[rows : rows + alone.shape[0]], alone, atol=2e-5, rtol=2e-5)
         start, rows = start + t * h * w, rows + alone.shape[0]
     assert rows == packed.shape[0]
+
+
+def test_pass_groups():
+    assert pass_groups([64, 40, 84, 4, 192], 0) == [(0, 5)]
+    assert pass_groups([64, 40, 84, 4, 192], 128) == [(0, 2), (2, 4), (4, 5)]  # 192 > 128 runs alone
+    assert pass_groups([64, 40, 84, 4, 192], 104) == [(0, 2), (2, 4), (4, 5)]  # exactly the budget fits
+    assert pass_groups([200, 1], 100) == [(0, 1), (1, 2)]
+    assert pass_groups([], 100) == [(0, 0)]
+
+
+@pytest.mark.parametrize("budget", [100, 1])
+def test_passes_under_a_row_budget_equal_one_packed_pass(hf_and_ckpt, budget):
+    """The batch in passes of at most ``budget`` patches (1: an image per pass) gives one pass's rows, in
+    order; the cut between passes is an image boundary, so the tolerance is the packed-vs-alone one."""
+    _, ckpt = hf_and_ckpt
+    ours = build_vision_tower(json.loads((ckpt / "config.json").read_text()), ckpt)
+    pixels, grid = pixels_for(GRIDS, seed=4)
+    ours.rows_per_pass = 0
+    whole = ours(pixels, grid)
+    ours.rows_per_pass = budget
+    calls = []
+    one_pass = ours.encode_pass
+    ours.encode_pass = lambda p, g: calls.append(g.tolist()) or one_pass(p, g)
+    torch.testing.assert_close(ours(pixels, grid), whole, atol=2e-5, rtol=2e-5)
+    expected = [
+        [list(GRIDS[i]) for i in range(a, b)] for a, b in pass_groups([h * w for _, h, w in GRIDS], budget)
+    ]
+    assert calls == expected and len(calls) > 1
 
 
 def test_tiny_checkpoint_tower_equals_transformers(tiny_ckpt):
