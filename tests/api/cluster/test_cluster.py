@@ -1,5 +1,5 @@
-"""`vlmserve cluster --replicas 2` on the tiny checkpoint, end to end: outputs, routing by image with prefix
-hits, text balance, and a replica killed mid-run. The balancer's own state (admin socket, request log) is
+"""`vlmserve cluster --replicas 2 --encoder-workers 1` on the tiny checkpoint, end to end: outputs, routing by
+image with prefix hits, text balance, the shared encoder pool, and a replica killed mid-run. The balancer's own state (admin socket, request log) is
 the record of where each request went."""
 
 from __future__ import annotations
@@ -114,9 +114,18 @@ def stop_cluster(cluster: RunningCluster) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(haproxy_bin, redis_url, tiny_ckpt, tmp_path_factory):
-    c = start_cluster(tmp_path_factory.mktemp("cluster"), tiny_ckpt, redis_url, replicas=2)
+    """Two replicas sharing one encoder pool (--encoder-workers 1), as a one-host deployment runs them; the
+    pool stops with the cluster. NOTE: one cluster for the module: each start costs ~25 s of CPU."""
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), tiny_ckpt, redis_url, replicas=2, encoder_workers=1)
+    pool = c.state["encoder"]
     yield c
     assert stop_cluster(c) == 0, (c.run_dir / "launcher.log").read_text()[-3000:]
+    deadline = (
+        time.monotonic() + 60
+    )  # the pool stops with the cluster (and is reaped once its parent is gone)
+    while Path(f"/proc/{pool['pid']}").exists() and "Z" not in _proc_state(pool["pid"]):
+        assert time.monotonic() < deadline, "the encoder pool outlived its cluster"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -228,37 +237,30 @@ def test_text_requests_spread_over_both_replicas(healthy):
     assert {r.headers["x-vlmserve-replica"] for r in resps} == {"r0", "r1"}
 
 
-def test_replicas_share_one_encoder_pool(haproxy_bin, redis_url, tiny_ckpt, single_server, tmp_path):
-    """--encoder-workers 1: one `vlmserve encoder` for both replicas; every new image is encoded there (the
-    replicas' counters of pool requests add up to the distinct images) and the answers equal one server's."""
-    c = start_cluster(tmp_path, tiny_ckpt, redis_url, replicas=2, encoder_workers=1)
-    try:
-        pool = c.state["encoder"]
-        assert pool["url"].startswith("unix://") and pool["pid"], pool
-        images = [make_image(176, 132, 9000 + i + os.getpid() % 1000) for i in range(6)]  # new to Redis
-        sessions = {name: c.session_for(name) for name in ("r0", "r1")}
-        homes = set()
-        for i, image in enumerate(images):
-            body = {**ask_image(image, f"Describe {i}."), "temperature": 0, "max_tokens": 8}
-            # NOTE: sent half to each replica by session, so both draw on the pool whatever the images hash to
-            got = c.chat({**body, "return_token_ids": True}, **{"x-session-id": sessions[f"r{i % 2}"]})
-            want = single_server.post("/v1/chat/completions", json={**body, "return_token_ids": True})
-            assert got.status_code == want.status_code == 200, got.text
-            assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
-            homes.add(got.headers["x-vlmserve-replica"])
-        sent = [
-            metrics(c.replica(n)["url"]).get("vlmserve_encoder_remote_requests_total", 0)
+def test_replicas_share_one_encoder_pool(healthy, single_server):
+    """One `vlmserve encoder` for both replicas: every new image is encoded there (the replicas' counters of
+    pool requests grow by the number of distinct images) and the answers equal one server's."""
+    pool = healthy.state["encoder"]
+    assert pool["url"].startswith("unix://") and pool["pid"], pool
+
+    def sent() -> float:
+        return sum(
+            metrics(healthy.replica(n)["url"]).get("vlmserve_encoder_remote_requests_total", 0)
             for n in ("r0", "r1")
-        ]
-        assert homes == {"r0", "r1"} and sum(sent) == len(images), (homes, sent)
-    finally:
-        assert stop_cluster(c) == 0, (c.run_dir / "launcher.log").read_text()[-3000:]
-    deadline = (
-        time.monotonic() + 60
-    )  # the pool stops with the cluster (and is reaped once its parent is gone)
-    while Path(f"/proc/{pool['pid']}").exists() and "Z" not in _proc_state(pool["pid"]):
-        assert time.monotonic() < deadline, "the encoder pool outlived its cluster"
-        time.sleep(0.1)
+        )
+
+    images = [make_image(176, 132, 9000 + i + os.getpid() % 1000) for i in range(6)]  # new to Redis
+    sessions = {name: healthy.session_for(name) for name in ("r0", "r1")}
+    before, homes = sent(), set()
+    for i, image in enumerate(images):
+        body = {**ask_image(image, f"Describe {i}."), "temperature": 0, "max_tokens": 8}
+        # NOTE: sent half to each replica by session, so both draw on the pool whatever the images hash to
+        got = healthy.chat({**body, "return_token_ids": True}, **{"x-session-id": sessions[f"r{i % 2}"]})
+        want = single_server.post("/v1/chat/completions", json={**body, "return_token_ids": True})
+        assert got.status_code == want.status_code == 200, got.text
+        assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
+        homes.add(got.headers["x-vlmserve-replica"])
+    assert homes == {"r0", "r1"} and sent() - before == len(images), (homes, sent() - before)
 
 
 def _proc_state(pid: int) -> str:
