@@ -533,14 +533,9 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     seen = 0
     recent: list[tuple[float, float]] = []
     for step, batch in enumerate(loader):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
         with cfg.autocast():
             loss, exact = forward(model, batch, aux)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, [p for _, p in named], loss, lr_at(step, cfg), cfg.grad_clip)
         seen += cfg.batch_images
         recent = [*recent[-49:], (loss.item(), exact.float().mean().item())]
         if step % 20 == 0 or step == cfg.steps - 1:
@@ -568,6 +563,20 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     return out
 
 
+def optimizer_step(
+    opt: torch.optim.Optimizer, params: list[torch.Tensor], loss: torch.Tensor, lr: float, grad_clip: float
+) -> None:
+    """One update (both phases): gradients of ``loss``, clipped to ``grad_clip`` in total norm over ``params``,
+    then ``opt`` at learning rate ``lr``. NOTE: the norm is summed in ``params``' order, so each phase keeps
+    the order it was trained with (the shipped checkpoint's bytes depend on it)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+
+
 def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0: float) -> None:
     """Phase 1: the tower and the auxiliary heads only (the decoder's parameters get no gradient)."""
     loader = torch.utils.data.DataLoader(
@@ -576,14 +585,9 @@ def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0:
     params = [p for group in opt.param_groups for p in group["params"]]
     recent: list[tuple[float, float]] = []
     for step, batch in enumerate(loader):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, cfg.tower_steps, cfg.tower_lr)
         with cfg.autocast():
             loss, hits = forward_tower(model, batch, aux)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        optimizer_step(opt, params, loss, lr_at(step, cfg, cfg.tower_steps, cfg.tower_lr), cfg.grad_clip)
         # the shape head's hits before the update: images it has not trained on
         recent = [*recent[-49:], (loss.item(), hits.float().mean().item() if len(hits) else 0.0)]
         if step % 20 == 0 or step == cfg.tower_steps - 1:
