@@ -123,12 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     params = [*model.model.visual.parameters(), *head.parameters(), *patch_head.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr)
     rng = random.Random(args.seed)
+    compute = demo_train.TrainConfig().autocast  # bfloat16 where this CPU runs it fast, as train-demo
     held = [tasks.sample(args.seed + 1000, i, "single") for i in range(96)]
     held_pix = [preprocess(e.data, pre, args.max_pixels) for e in held]
     held_target = torch.tensor([tasks.SHAPES.index(e.qa["shape"]) for e in held])
 
     def held_out() -> str:
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), compute():
             pix = torch.cat([torch.from_numpy(p.patches) for p in held_pix])
             grid = torch.tensor([p.grid_thw for p in held_pix])
             out = model.model.get_image_features(pix, grid, return_dict=True)
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         pixels = torch.cat([torch.from_numpy(p.patches) for p in patches])
         grid = torch.tensor([p.grid_thw for p in patches])
         target = torch.tensor([k for _, k in batch])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with compute():
             out = model.model.get_image_features(pixels, grid, return_dict=True)
             merged = out.pooler_output
             logits = head(torch.stack([m.mean(dim=0) for m in merged])).float()
