@@ -26,6 +26,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,6 +34,9 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks.cpu_peak
 OUT_DIR = Path(__file__).parent / "out"
 RESULTS = Path(__file__).parent / "results" / "encoder_throughput"
 SIZES = [(224, 224), (448, 336), (640, 480), (336, 896), (800, 600), (1024, 768), (1280, 720), (1600, 1200),
@@ -84,16 +88,27 @@ def best_time(fn, repeat: int) -> float:
     return best
 
 
-def machine_rates(dtype: torch.dtype, heads: int, head_dim: int, repeat: int) -> dict[str, float]:
-    """GFLOP/s of a 2048×1024 · 1024×4096 matmul and of SDPA over 1024 tokens, in ``dtype``."""
+def machine_rates(
+    dtype: torch.dtype, heads: int, head_dim: int, repeat: int, peak: bool = False
+) -> dict[str, float]:
+    """GFLOP/s of a 2048×1024 · 1024×4096 matmul and of SDPA over 1024 tokens, in ``dtype``; with ``peak``
+    also the CPU's arithmetic peak for that dtype (``benchmarks/cpu_peak.py``; absent without the
+    instruction), which bounds every tower's rate."""
     a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
     mm = best_time(lambda: a @ b, repeat)
     q = torch.randn(1, heads, 1024, head_dim).to(dtype)
     sdpa = best_time(lambda: F.scaled_dot_product_attention(q, q, q), repeat)
-    return {
+    rates = {
         "matmul_gflops": 2 * 2048 * 1024 * 4096 / mm / 1e9,
         "sdpa_gflops": 4 * 1024 * 1024 * heads * head_dim / sdpa / 1e9,
     }
+    if peak and dtype in (torch.float32, torch.bfloat16):
+        from benchmarks.cpu_peak import peak_gflops
+
+        found = peak_gflops(str(dtype).removeprefix("torch."), torch.get_num_threads())
+        if found is not None:
+            rates["peak_gflops"] = found
+    return rates
 
 
 def work(cfg, grids: list[tuple[int, int, int]]) -> dict[str, float]:
@@ -258,7 +273,7 @@ def main() -> None:
     n = int(flops["patches"])
     pixels = torch.randn(n, cfg.patch_dim)
     grid = torch.tensor(grids)
-    rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat))
+    rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat), peak=True)
     with torch.no_grad():
         results = [run_tower("ours", lambda: ours(pixels, grid), ours, ours_attn, n, repeat)]
         results.append(
@@ -284,7 +299,9 @@ def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], a
     print(f"model {model_dir}  dtype {name}  threads {torch.get_num_threads()}  CPU flags: {cpu_flags()}")
     print(f"images {len(grids)}  patches {int(flops['patches'])}  our attention: {attention}  "
           f"rows per pass: {args.rows_per_pass_used}")  # fmt: skip
-    print(f"machine: matmul {mm:.0f} GFLOP/s, SDPA {rates['sdpa_gflops']:.0f} GFLOP/s ({name})")
+    peak = rates.get("peak_gflops")
+    print(f"machine: matmul {mm:.0f} GFLOP/s, SDPA {rates['sdpa_gflops']:.0f} GFLOP/s ({name})"
+          + (f"; arithmetic peak {peak:.0f} GFLOP/s (benchmarks/cpu_peak.py)" if peak else ""))  # fmt: skip
     print(
         f"{'tower':10} {'s':>7} {'patches/s':>10} {'linear GF/s':>12} {'attn GF/s':>10} {'attn/mm':>8} {'all GF/s':>9}"
     )
@@ -302,6 +319,11 @@ def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], a
     print(f"ours / best transformers mode ({best_hf.name}): {speedup:.2f}x patches/s; "
           f"our attention at {rows[0]['attention_gflops'] / mm:.0%} of the matmul rate, "
           f"whole tower at {rows[0]['gflops'] / mm:.0%}")  # fmt: skip
+    if peak:
+        # no tower outruns the arithmetic peak: the most any tower could gain over the best other mode
+        best_rate = max(row["gflops"] for row in rows[1:])
+        print(f"ceiling: a tower at the arithmetic peak would be {peak / best_rate:.2f}x the best "
+              f"transformers mode ({best_rate:.0f} GFLOP/s); ours is at {rows[0]['gflops'] / peak:.0%} of the peak")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
     out.write_text(json.dumps({
