@@ -13,6 +13,8 @@ pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel c
 # Segment lengths around the kernel's 64-row blocks and 4-row tiles, one-patch segments, empty ones.
 LENGTHS = [[1], [63, 64, 65], [200, 1, 130, 4], [0, 7, 0, 300]]
 SHAPES = [(2, 16), (3, 64), (2, 80), (1, 128)]  # (heads, head_dim): tiny, small, Qwen2-VL's, wide
+# head dims whose tail after the 64-wide register blocks is 32 and 48 (the products' 2- and 3-vector cases)
+TAILS = [(1, 96), (1, 112)]
 
 
 def case(lengths: list[int], heads: int, d: int, dtype: torch.dtype, seed: int):
@@ -25,7 +27,7 @@ def case(lengths: list[int], heads: int, d: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
-@pytest.mark.parametrize("heads,d", SHAPES, ids=str)
+@pytest.mark.parametrize("heads,d", SHAPES + TAILS, ids=str)
 def test_float32_matches_torch(lengths, heads, d):
     qkv, cos, sin, seg = case(lengths, heads, d, torch.float32, seed=sum(lengths) + d)
     want = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
@@ -35,7 +37,7 @@ def test_float32_matches_torch(lengths, heads, d):
 
 
 @pytest.mark.parametrize("lengths", LENGTHS[1:], ids=str)
-@pytest.mark.parametrize("heads,d", SHAPES[1:3], ids=str)
+@pytest.mark.parametrize("heads,d", SHAPES[1:3] + TAILS, ids=str)
 def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lengths, heads, d):
     """bf16 in, bf16 out: the kernel's error against float32 attention on the same (bf16) inputs stays
     within what torch's own bf16 path makes (rounding of q/k after the rotary, of P and of the output)."""

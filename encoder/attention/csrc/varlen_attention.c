@@ -38,9 +38,11 @@
 #if defined(__AVX512F__)
 #define VW 16
 #define IOTA {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#define LANE0 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
 #else
 #define VW 8
 #define IOTA {0, 1, 2, 3, 4, 5, 6, 7}
+#define LANE0 0, 0, 0, 0, 0, 0, 0, 0
 #endif
 
 #define QB 64 /* query rows per unit of work, and the row padding of every segment */
@@ -69,7 +71,12 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
-static inline vf vsplat(float x) { return (vf){} + x; }
+/* NOTE: a shuffle of lane 0 compiles to one vbroadcastss; (vf){} + x cost an add per broadcast (0 + -0 is
+ * +0, so the add stays) and a per-lane loop became 16 masked broadcasts. */
+static inline vf vsplat(float x) {
+    const vf v = {x};
+    return __builtin_shufflevector(v, v, LANE0);
+}
 
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)((mask & (vi)a) | (~mask & (vi)b)); }
 
@@ -268,13 +275,23 @@ static inline __attribute__((always_inline)) void pv_dot(const uint16_t *P, cons
     __m512 a[RT][4];
     for (int r = 0; r < RT; r++)
         for (int c = 0; c < NV; c++) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(O + r * d + d0 + c * 16), _mm512_set1_ps(corr[r]));
-    for (int64_t jp = 0; jp < KB / 2; jp++) {
-        __m512bh vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = (__m512bh)_mm512_loadu_si512(vb + jp * 2 * d + (d0 + c * 16) * 2);
+    /* NOTE: v's vectors are loaded once and used by every row. Left to itself GCC 12 reloaded them for each
+     * row (16 loads per 16 dot products instead of 4: this loop was bound by loads); the empty asm makes
+     * them opaque values it has to keep in registers. */
+    const uint16_t *vrow = vb + d0 * 2;
+    for (int64_t jp = 0; jp < KB / 2; jp++, vrow += 2 * d) {
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
+        __m512bh v1 = NV > 1 ? (__m512bh)_mm512_loadu_si512(vrow + 32) : v0;
+        __m512bh v2 = NV > 2 ? (__m512bh)_mm512_loadu_si512(vrow + 64) : v0;
+        __m512bh v3 = NV > 3 ? (__m512bh)_mm512_loadu_si512(vrow + 96) : v0;
+        __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3)); /* opaque: kept, not reloaded */
 #pragma GCC unroll 4
         for (int r = 0; r < RT; r++) {
             const __m512bh b = (__m512bh)bcast_pair(P + r * KB + 2 * jp);
-            for (int c = 0; c < NV; c++) a[r][c] = _mm512_dpbf16_ps(a[r][c], b, vv[c]);
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, v0);
+            if (NV > 1) a[r][1] = _mm512_dpbf16_ps(a[r][1], b, v1);
+            if (NV > 2) a[r][2] = _mm512_dpbf16_ps(a[r][2], b, v2);
+            if (NV > 3) a[r][3] = _mm512_dpbf16_ps(a[r][3], b, v3);
         }
     }
     for (int r = 0; r < RT; r++)
@@ -291,44 +308,121 @@ static void pv_dot_all(const uint16_t *P, const uint16_t *vb, int64_t d, float *
     default: break;
     }
 }
+
+/* 2^x on AVX-512 for the bf16 path: n = round(x), 2^(x - n) by a degree-5 near-minimax polynomial on
+ * [-1/2, 1/2] (relative error 2.4e-7, float32's rounding), scaled by 2^n with vscalefps. Inputs are clamped
+ * below at -126 like exp2_v (-inf gives 2^-126; callers zero masked lanes themselves). Half the
+ * instructions of exp2_v, which matters: the softmax is the only non-dot-product work in the loop. */
+static inline __m512 exp2_512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(1.327647129073739e-3f), _mm512_set1_ps(9.675540961325169e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550713092088699e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120237350464e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931469440460205e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192092896f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online softmax of RT rows of S at once (the bf16 path's softmax_row): P rounded to bfloat16 into Pb,
+ * running max m and sum l moved on, corr[r] the factor row r's accumulator is scaled by. Keys past `kv` are
+ * masked out. The four rows' corrections take one exp2 together, instead of a libm call per row. */
+static inline void softmax_tile_dot(const job_t *j, const float *S, int64_t kv, float *m, float *l, uint16_t *Pb,
+                                    float *corr) {
+    __mmask16 keep[KB / 16];
+    for (int i = 0; i < KB / 16; i++) {
+        const int64_t real = kv - i * 16;
+        keep[i] = real >= 16 ? (__mmask16)0xffff : real <= 0 ? (__mmask16)0 : (__mmask16)((1u << real) - 1);
+    }
+    const __m512 scale = _mm512_set1_ps(j->scale2), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 s[RT][KB / 16];
+    float mnew[16] = {0}, mold[16] = {0};
+    for (int r = 0; r < RT; r++) {
+        __m512 mx = ninf;
+        for (int i = 0; i < KB / 16; i++) {
+            s[r][i] = _mm512_mask_mul_ps(ninf, keep[i], _mm512_loadu_ps(S + r * KB + i * 16), scale);
+            mx = _mm512_max_ps(mx, s[r][i]);
+        }
+        const float bmax = _mm512_reduce_max_ps(mx);
+        mold[r] = m[r];
+        mnew[r] = m[r] > bmax ? m[r] : bmax;
+    }
+    float c16[16];
+    _mm512_storeu_ps(c16, exp2_512(_mm512_sub_ps(_mm512_loadu_ps(mold), _mm512_loadu_ps(mnew))));
+    for (int r = 0; r < RT; r++) corr[r] = c16[r];
+    for (int r = 0; r < RT; r++) {
+        const __m512 mr = _mm512_set1_ps(mnew[r]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < KB / 16; i++) {
+            const __m512 pv = _mm512_maskz_mov_ps(keep[i], exp2_512(_mm512_sub_ps(s[r][i], mr)));
+            sum = _mm512_add_ps(sum, pv);
+            _mm256_storeu_si256((__m256i *)(Pb + r * KB + i * 16), (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+        m[r] = mnew[r];
+    }
+}
+#endif
+
+/* Rows per register pass of the float32 products: the accumulators (RP rows × 4 vectors), four vectors of k or
+ * v and a broadcast must fit the register file (32 vectors with AVX-512, 16 with AVX2). */
+#if VW == 16
+#define RP RT
+#else
+#define RP 2
 #endif
 
 /* S[RT][4·VW keys] = q · kᵀ in float32; kt: 4 tiles of [D][VW keys]. */
 static inline void qk_f32(const float *q, const float *kt, int64_t d, float *S) {
-    vf a[RT][4] = {};
     const int64_t ts = (int64_t)VW * d;
-    for (int64_t e = 0; e < d; e++) {
-        const vf k0 = *(const vf *)(kt + e * VW), k1 = *(const vf *)(kt + ts + e * VW);
-        const vf k2 = *(const vf *)(kt + 2 * ts + e * VW), k3 = *(const vf *)(kt + 3 * ts + e * VW);
+    for (int r0 = 0; r0 < RT; r0 += RP) {
+        vf a[RP][4] = {};
+        for (int64_t e = 0; e < d; e++) {
+            vf k0 = *(const vf *)(kt + e * VW), k1 = *(const vf *)(kt + ts + e * VW);
+            vf k2 = *(const vf *)(kt + 2 * ts + e * VW), k3 = *(const vf *)(kt + 3 * ts + e * VW);
+            /* NOTE: opaque, so kept in registers for every row: left to itself GCC 12 folded a load of k into
+             * each row's FMA (one load per FMA), which bound the loop by loads (see pv_dot). */
+            __asm__("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
 #pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            const vf b = vsplat(q[r * d + e]);
-            a[r][0] += b * k0;
-            a[r][1] += b * k1;
-            a[r][2] += b * k2;
-            a[r][3] += b * k3;
+            for (int r = 0; r < RP; r++) {
+                const vf b = vsplat(q[(r0 + r) * d + e]);
+                a[r][0] += b * k0;
+                a[r][1] += b * k1;
+                a[r][2] += b * k2;
+                a[r][3] += b * k3;
+            }
         }
+        for (int r = 0; r < RP; r++)
+            for (int t = 0; t < 4; t++) *(vf *)(S + (r0 + r) * KB + t * VW) = a[r][t];
     }
-    for (int r = 0; r < RT; r++)
-        for (int t = 0; t < 4; t++) *(vf *)(S + r * KB + t * VW) = a[r][t];
 }
 
 static inline __attribute__((always_inline)) void pv_f32(const float *P, const float *vb, int64_t d, int64_t d0,
                                                          const int NV, float *O, const float *corr) {
-    vf a[RT][4];
-    for (int r = 0; r < RT; r++)
-        for (int c = 0; c < NV; c++) a[r][c] = *(const vf *)(O + r * d + d0 + c * VW) * corr[r];
-    for (int64_t jj = 0; jj < KB; jj++) {
-        vf vv[4];
-        for (int c = 0; c < NV; c++) vv[c] = *(const vf *)(vb + jj * d + d0 + c * VW);
+    for (int r0 = 0; r0 < RT; r0 += RP) {
+        vf a[RP][4];
+        for (int r = 0; r < RP; r++)
+            for (int c = 0; c < NV; c++) a[r][c] = *(const vf *)(O + (r0 + r) * d + d0 + c * VW) * corr[r0 + r];
+        const float *vrow = vb + d0;
+        for (int64_t jj = 0; jj < KB; jj++, vrow += d) {
+            vf v0 = *(const vf *)vrow;
+            vf v1 = NV > 1 ? *(const vf *)(vrow + VW) : v0;
+            vf v2 = NV > 2 ? *(const vf *)(vrow + 2 * VW) : v0;
+            vf v3 = NV > 3 ? *(const vf *)(vrow + 3 * VW) : v0;
+            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3)); /* kept in registers, as in qk_f32 */
 #pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            const vf b = vsplat(P[r * KB + jj]);
-            for (int c = 0; c < NV; c++) a[r][c] += b * vv[c];
+            for (int r = 0; r < RP; r++) {
+                const vf b = vsplat(P[(r0 + r) * KB + jj]);
+                a[r][0] += b * v0;
+                if (NV > 1) a[r][1] += b * v1;
+                if (NV > 2) a[r][2] += b * v2;
+                if (NV > 3) a[r][3] += b * v3;
+            }
         }
+        for (int r = 0; r < RP; r++)
+            for (int c = 0; c < NV; c++) *(vf *)(O + (r0 + r) * d + d0 + c * VW) = a[r][c];
     }
-    for (int r = 0; r < RT; r++)
-        for (int c = 0; c < NV; c++) *(vf *)(O + r * d + d0 + c * VW) = a[r][c];
 }
 
 static void pv_f32_all(const float *P, const float *vb, int64_t d, float *O, const float *corr) {
@@ -406,14 +500,7 @@ static void attend_unit(job_t *j, int64_t u) {
             if (j->dot) {
                 const uint16_t *q = (const uint16_t *)j->qp + (base + r0 + g * RT) * d;
                 qk_dot(q, (const uint16_t *)j->kp + (base + k0) * d, d, S);
-                for (int r = 0; r < RT; r++) {
-                    vf p[KB / VW];
-                    corr[r] = softmax_row(j, S + r * KB, kv, mg + r, lg + r, p);
-                    for (int i = 0; i < KB / VW; i++) {
-                        const __m256bh hb = _mm512_cvtneps_pbh((__m512)p[i]); /* round to nearest even */
-                        memcpy(Pb + r * KB + i * VW, &hb, 32);
-                    }
-                }
+                softmax_tile_dot(j, S, kv, mg, lg, Pb, corr);
                 pv_dot_all(Pb, (const uint16_t *)j->vp + (base + k0) * d, d, o, corr);
                 continue;
             }
