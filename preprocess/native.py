@@ -47,11 +47,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
 
 
-def _build(cc: str, source: Path) -> Path:
+def _build(cc: str, source: Path, march: str = "native") -> Path:
+    flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), " ".join(_FLAGS).encode(), version.encode(), _cpu_flags().encode()]
+            [source.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()]
             + [platform.machine().encode()]
         )
     ).hexdigest()[:20]
@@ -65,7 +66,7 @@ def _build(cc: str, source: Path) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300
+            [cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300
         )
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {source.name}:\n{proc.stderr.strip()[-2000:]}")
@@ -77,8 +78,10 @@ def _build(cc: str, source: Path) -> Path:
     return out
 
 
-def load_library(source: Path) -> ctypes.CDLL | None:
+def load_library(source: Path, march: str = "native") -> ctypes.CDLL | None:
     """The library built from ``source``, or ``None`` (disabled, no compiler, or the build failed: logged).
+    ``march``: the instruction set it is built for; tests pass an older one (``x86-64-v3``: AVX2 and FMA)
+    to run the code paths of other CPUs than this one.
 
     Not cached here: each caller caches its own (and sets the argtypes) behind ``functools.cache``."""
     if switched_off("VLMSERVE_CPU_KERNELS"):
@@ -88,7 +91,7 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         log.warning("no C compiler (%s): no %s kernel, using the slower fallback path", cc, source.stem)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, source)))
+        return ctypes.CDLL(str(_build(cc, source, march)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("%s kernel unavailable, using the slower fallback path: %s", source.stem, exc)
         return None

@@ -24,9 +24,9 @@ MAX_HEAD_DIM = 256
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
+def load(march: str = "native") -> ctypes.CDLL | None:
     """The compiled library, or ``None`` (see :func:`preprocess.native.load_library`)."""
-    lib = load_library(_SOURCE)
+    lib = load_library(_SOURCE, march)
     if lib is None:
         return None
     fn = lib.vlm_varlen_attention

@@ -52,6 +52,36 @@ def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lengths, heads, d):
     torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=3e-2)
 
 
+def _avx2_build():
+    """The kernel built for AVX2 + FMA without AVX-512 (``-march=x86-64-v3``), where this CPU runs it."""
+    import platform
+
+    from preprocess.native import _cpu_flags
+
+    if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
+        pytest.skip("not an x86-64 CPU with AVX2 and FMA")
+    lib = cpu_kernel.load("x86-64-v3")
+    assert lib is not None and cpu_kernel.isa(lib) == "fp32-fma"
+    return lib
+
+
+def test_the_avx2_build_matches_torch_too():
+    """CPUs differ between machines, and the kernel's products and broadcasts are written per instruction
+    set: the AVX2 build (8 lanes, two rows per register pass) is checked here even on an AVX-512 CPU."""
+    lib = _avx2_build()
+    for lengths in LENGTHS:
+        for heads, d in SHAPES + TAILS:
+            qkv, cos, sin, seg = case(lengths, heads, d, torch.float32, seed=sum(lengths) + d)
+            want = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
+            torch.testing.assert_close(
+                KernelAttention(lib)(qkv, cos, sin, seg, d**-0.5), want, atol=3e-6, rtol=1e-5
+            )
+            bf = qkv.bfloat16()
+            exact = TorchAttention()(bf.float(), cos, sin, seg, d**-0.5)
+            got = KernelAttention(lib)(bf, cos, sin, seg, d**-0.5)
+            torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=3e-2)
+
+
 def test_threads_do_not_change_the_result():
     qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 64, torch.float32, seed=5)
     outs = [
