@@ -251,6 +251,14 @@ class AuxHeads(torch.nn.Module):
     scratch, the decoder's loss alone left colour at chance for 4,800 images, and image-level heads alone
     left shape at chance for 8,000 (both measured). The decoder still learns to read the answer from the
     image tokens.
+
+    NOTE: tried and dropped (2026-12-01, one default run, 54 min on an AVX512-BF16 EPYC): a per-cell target
+    of each digit's place in its number, and heads on every merged token for its image's count and number
+    (so the decoder could read the answer from any token). Full-budget accuracy on quality_vs_budget's set
+    (200 per task, offline): count 61.5 % and number 32.0 % against this recipe's 60.0 % and 31.5 %; more 2-4
+    digit numbers right (35/17/6 % against 27/10/2 %), fewer 1-digit ones (67 % against 84 %). The per-token
+    number head itself read 6 % of numbers whole by the end of the tower's phase: the tower does not learn to
+    read multi-digit numbers in 27,000 images, whatever head asks it to.
     """
 
     def __init__(self, width: int, vision_width: int) -> None:
@@ -453,12 +461,25 @@ def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tens
     return loss, exact
 
 
-def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tower's phase: (auxiliary loss, per-image shape hit of the shape head [N] bool, where it applies)."""
+def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The tower's phase: (auxiliary loss, per-image hits [bool] of the per-image heads on the images where
+    they apply: "shape", "count" (of 2-6 shapes) and "number" (every digit and the length))."""
     _, pooled, dense = encode_images(model, batch)
-    shape = batch["aux"]["shape"]
-    hits = aux.shape(pooled).argmax(-1)[shape != -100] == shape[shape != -100]
-    return aux.loss(pooled, dense, batch["aux"]), hits
+    targets = batch["aux"]
+    with torch.no_grad():
+        shape, count = aux.shape(pooled).argmax(-1), aux.count(pooled).argmax(-1)
+        digits = aux.digits(pooled).view(len(pooled), AUX_DIGITS, 11).argmax(-1)
+    is_shape, many, is_number = (
+        targets["shape"] != -100,
+        targets["count"] > 0,
+        targets["digits"][:, 0] != -100,
+    )
+    hits = {
+        "shape": shape[is_shape] == targets["shape"][is_shape],
+        "count": count[many] == targets["count"][many],
+        "number": (digits == targets["digits"]).all(-1)[is_number],
+    }
+    return aux.loss(pooled, dense, targets), hits
 
 
 def evaluate(
@@ -583,20 +604,23 @@ def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0:
         TrainBatches(out, cfg, tower=True), batch_size=None, num_workers=1, prefetch_factor=4
     )
     params = [p for group in opt.param_groups for p in group["params"]]
-    recent: list[tuple[float, float]] = []
+    losses: list[float] = []
+    recent: dict[str, list[torch.Tensor]] = defaultdict(list)
     for step, batch in enumerate(loader):
         with cfg.autocast():
             loss, hits = forward_tower(model, batch, aux)
         optimizer_step(opt, params, loss, lr_at(step, cfg, cfg.tower_steps, cfg.tower_lr), cfg.grad_clip)
-        # the shape head's hits before the update: images it has not trained on
-        recent = [*recent[-49:], (loss.item(), hits.float().mean().item() if len(hits) else 0.0)]
+        # the heads' hits before the update: images they have not trained on (the last 50 steps')
+        losses = [*losses[-49:], loss.item()]
+        for name, h in hits.items():
+            recent[name] = [*recent[name][-49:], h]
         if step % 20 == 0 or step == cfg.tower_steps - 1:
             dt = time.perf_counter() - t0
             eta = dt / (step + 1) * (cfg.tower_steps - step - 1)
+            heads = " ".join(f"{k} {torch.cat(v).float().mean().item():.2f}" for k, v in recent.items())
             log(
-                f"[train-demo] tower step {step + 1}/{cfg.tower_steps} aux loss "
-                f"{sum(r[0] for r in recent) / len(recent):.3f} shape-head accuracy (unseen) "
-                f"{sum(r[1] for r in recent) / len(recent):.2f} "
+                f"[train-demo] tower step {step + 1}/{cfg.tower_steps} aux loss {sum(losses) / len(losses):.3f} "
+                f"per-image heads on unseen images: {heads} "
                 f"{(step + 1) * cfg.tower_batch_images / dt:.1f} img/s eta {eta / 60:.1f} min"
             )
     # NOTE: AdamW's moments of the tower carry into phase 2; the decoder's start at zero there
