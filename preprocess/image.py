@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -157,25 +158,48 @@ def pil_resize_matches_torchvision() -> bool:
 
 
 def _resize_torchvision(rgb: Image.Image, size: tuple[int, int], resample: str) -> np.ndarray:
-    # Imported here so header-only users (probe, plan_grid) never pay for torch.
-    from torchvision.transforms.v2 import InterpolationMode
-    from torchvision.transforms.v2 import functional as tvF
+    """torchvision's ``resize`` of a uint8 [1, 3, H, W] CPU tensor (``antialias=True``), as transformers'
+    TorchvisionBackend calls it, without importing torchvision.
 
-    modes = {
-        "nearest": InterpolationMode.NEAREST_EXACT,
-        "bilinear": InterpolationMode.BILINEAR,
-        "bicubic": InterpolationMode.BICUBIC,
-        "lanczos": InterpolationMode.LANCZOS,
-    }
-    # NOTE: the same torchvision call as transformers' TorchvisionBackend, which passes a
-    # contiguous [1, C, H, W] uint8 batch. We pass PIL's HWC buffer as a channels-last view of
-    # that batch instead: torch's uint8 kernels (the AVX2 one and the generic separable one) run
-    # the same integer arithmetic per output value for either layout, so the output is
-    # bit-identical (tests compare against transformers), and channels-last skips a 1-byte-strided
-    # transpose and torch's internal RGB unpack/repack: ~4x faster on 2048x1536.
+    NOTE: importing ``torchvision.transforms.v2`` imports ``torchvision.models`` and with it
+    ``torch._dynamo`` (~2.8 s of CPU on a 2-core EPYC), in every process that preprocesses. The call
+    itself is a thin rule over ``F.interpolate``, restated here (torchvision 0.29's ``resize_image``):
+    bicubic and lanczos interpolate uint8 natively; bilinear does where torch's CPU kernels have the
+    AVX2/AVX-512 uint8 path (or on arm64), else runs in float32 and rounds; nearest-exact has no
+    antialias. tests/preprocess compare it with torchvision bit for bit and with transformers.
+    """
+    import torch
+    from torch.nn import functional as F
+
+    mode = _TORCH_MODES[resample]
+    h, w = size
+    # NOTE: PIL's HWC buffer as a channels-last view of transformers' contiguous [1, C, H, W] uint8
+    # batch: torch's uint8 kernels (the AVX2 one and the generic separable one) run the same integer
+    # arithmetic per output value for either layout, so the output is bit-identical, and
+    # channels-last skips a 1-byte-strided transpose and torch's internal RGB unpack/repack: ~4x
+    # faster on 2048x1536.
     batch = _tensor_view(np.asarray(rgb)).permute(2, 0, 1).unsqueeze(0)
-    out = tvF.resize(batch, list(size), interpolation=modes[resample], antialias=True)
+    if (h, w) == tuple(batch.shape[-2:]):
+        return np.asarray(rgb)
+    if mode == "nearest-exact":
+        return F.interpolate(batch, size=[h, w], mode=mode)[0].permute(1, 2, 0).numpy()
+    native = mode != "bilinear" or (
+        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        or platform.machine() in ("aarch64", "arm64")
+    )
+    x = batch if native else batch.float()
+    out = F.interpolate(x, size=[h, w], mode=mode, align_corners=False, antialias=True)
+    if not native:
+        out = out.round_().to(torch.uint8)  # bilinear stays within [0, 255]: no clamp, as torchvision
     return out[0].permute(1, 2, 0).numpy()
+
+
+_TORCH_MODES = {
+    "nearest": "nearest-exact",
+    "bilinear": "bilinear",
+    "bicubic": "bicubic",
+    "lanczos": "lanczos",
+}
 
 
 def _tensor_view(array: np.ndarray):

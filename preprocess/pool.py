@@ -42,7 +42,7 @@ from preprocess.worker import READY, Failed, Job, create_segment, slot_name, wor
 log = logging.getLogger(__name__)
 
 # Imported once in the forkserver, so each (re)started worker forks with them loaded.
-forkserver.register(["torch", "preprocess.worker", "torchvision.transforms.v2.functional"])
+forkserver.register(["torch", "preprocess.worker"])
 
 
 @dataclass(slots=True)

@@ -199,7 +199,6 @@ def _warm_up() -> None:
     # the pool's parallelism is its processes.
     try:
         import torch
-        import torchvision.transforms.v2.functional  # noqa: F401
     except ImportError:
         return
     torch.set_num_threads(1)

@@ -31,7 +31,9 @@ with TestClient(create_app(args)) as client:
     metrics = client.get("/metrics").text
 patches = [float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("vlmserve_encoder_patches")]
 modeling = sorted(m for m in sys.modules if re.fullmatch(r"transformers\.models\.[^.]+\.modeling_[^.]+", m))
-print(json.dumps({"status": resp.status_code, "body": resp.text, "patches": patches, "modeling": modeling}))
+heavy = sorted(m for m in ("torchvision", "torch._dynamo") if m in sys.modules)
+print(json.dumps({"status": resp.status_code, "body": resp.text, "patches": patches, "modeling": modeling,
+                  "heavy": heavy}))
 """
 
 
@@ -50,3 +52,5 @@ def test_serving_imports_no_transformers_modeling_module(tiny_ckpt):
     assert report["status"] == 200, report["body"]
     assert report["patches"] and report["patches"][0] > 0  # the image really went through the tower
     assert report["modeling"] == []
+    # nor torchvision (its import pulls in torch._dynamo: seconds of start-up in every serving process)
+    assert report["heavy"] == []

@@ -83,6 +83,31 @@ def test_torchvision_backend_is_bit_identical(resample, hf_reference):
         assert np.array_equal(ours.patches, pixel_values), (width, height, resample)
 
 
+@pytest.mark.parametrize("capability", ["native", "DEFAULT"])
+def test_torch_resize_is_torchvisions_call(capability, monkeypatch):
+    """The resize we run without importing torchvision equals torchvision's own ``resize`` (the call
+    transformers makes, on the contiguous [1, C, H, W] batch it passes) bit for bit, in every mode, down,
+    up and unchanged. "DEFAULT": a CPU without torch's AVX2 uint8 kernels, where bilinear runs in float32."""
+    import torch
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as tvF
+
+    if capability != "native":
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    modes = {"nearest": "NEAREST_EXACT", "bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
+    rng = np.random.default_rng(7)
+    sizes = [((h, w), (th, tw)) for h, w, th, tw in rng.integers(1, 260, (12, 4))]
+    sizes += [((97, 61), (97, 61)), ((480, 7), (196, 14))]
+    for (h, w), target in sizes:
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        batch = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).contiguous()
+        for resample, mode in modes.items():
+            want = tvF.resize(batch, list(target), interpolation=InterpolationMode[mode], antialias=True)
+            ours = image_mod._resize_torchvision(Image.fromarray(pixels), tuple(target), resample)
+            assert ours.shape == (*target, 3) and ours.dtype == np.uint8
+            assert np.array_equal(ours, want[0].permute(1, 2, 0).numpy()), (h, w, target, resample)
+
+
 def test_pillow_simd_fast_path_in_use():
     """bin/setup installs pillow-simd (the same fixed-point arithmetic as torch's uint8 resize kernels,
     ~1.7x faster); its resize must pass the exactness check, or the fast path is never taken."""
