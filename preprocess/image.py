@@ -134,7 +134,17 @@ def resize(rgb: Image.Image, size: tuple[int, int], config: PreprocessConfig) ->
 _PIL_EXACT_MODES = ("bilinear", "bicubic", "lanczos")
 
 
-@functools.cache
+# Set in preprocess worker processes to their parent's verdict (see pil_resize_matches_torchvision), so that
+# a worker need not import torch to settle it.
+_PIL_VERDICT: bool | None = None
+
+
+def trust_pil_resize(verdict: bool) -> None:
+    """Take ``verdict`` as this process's pil_resize_matches_torchvision() (a worker, from its parent)."""
+    global _PIL_VERDICT
+    _PIL_VERDICT = bool(verdict)
+
+
 def pil_resize_matches_torchvision() -> bool:
     """Whether the installed PIL resizes RGB to the same bytes as torch's antialiased uint8 kernels.
 
@@ -142,8 +152,17 @@ def pil_resize_matches_torchvision() -> bool:
     (600 random noise images, up- and downscaled, matched bit for bit in each of bilinear, bicubic
     and lanczos) and runs ~1.7x faster (the benchmark mix, one thread: 15.2 vs 25.4 ms). Other PIL
     builds may round differently, so this checks once per process, on noise images where any
-    rounding difference shows, and resize() keeps torchvision unless they agree.
+    rounding difference shows, and resize() keeps torchvision unless they agree. A preprocess worker
+    takes its parent's verdict instead (trust_pil_resize): the check needs torch, the PIL path does not,
+    so a worker imports torch only if it has to resize with it.
     """
+    if _PIL_VERDICT is not None:
+        return _PIL_VERDICT
+    return _pil_resize_check()
+
+
+@functools.cache
+def _pil_resize_check() -> bool:
     if switched_off("VLMSERVE_PIL_RESIZE"):
         return False
     rng = np.random.default_rng(20261201)

@@ -36,13 +36,14 @@ import numpy as np
 from preprocess import forkserver
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
-from preprocess.image import PixelPatches
+from preprocess.image import PixelPatches, pil_resize_matches_torchvision
 from preprocess.worker import READY, Failed, Job, create_segment, slot_name, worker_main
 
 log = logging.getLogger(__name__)
 
-# Imported once in the forkserver, so each (re)started worker forks with them loaded.
-forkserver.register(["torch", "preprocess.worker"])
+# Imported once in the forkserver, so each (re)started worker forks with it loaded (torch is not: a worker
+# imports it only if it resizes with it, see worker._warm_up).
+forkserver.register(["preprocess.worker"])
 
 
 @dataclass(slots=True)
@@ -99,6 +100,7 @@ class PreprocessPool:
         self.stats = PoolStats()
         self._ctx = forkserver.context() if start_method == "forkserver" else mp.get_context("spawn")
         self._fault_prefix = _fault_prefix
+        self._pil_exact = pil_resize_matches_torchvision()  # settled here, once: the check needs torch
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
@@ -265,7 +267,7 @@ class _Worker:
         parent_conn, child_conn = self.pool._ctx.Pipe(duplex=True)
         proc = self.pool._ctx.Process(
             target=worker_main,
-            args=(child_conn, base, self.pool._fault_prefix),
+            args=(child_conn, base, self.pool._fault_prefix, self.pool._pil_exact),
             name=f"vlmserve-preprocess-{self.index}",
             daemon=True,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -25,7 +26,7 @@ import numpy as np
 
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessError
-from preprocess.image import _patchify_kernel, pil_resize_matches_torchvision, preprocess_into
+from preprocess.image import _patchify_kernel, preprocess_into, trust_pil_resize
 
 READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
@@ -150,11 +151,14 @@ class Inbox:
         return bytes(self.shm.buf[:size])
 
 
-def worker_main(conn: Connection, slot_base: str, fault_prefix: bytes | None = None) -> None:
-    """Serve jobs (see Job and Reply above) until the parent sends None or goes away."""
+def worker_main(
+    conn: Connection, slot_base: str, fault_prefix: bytes | None = None, pil_exact: bool = False
+) -> None:
+    """Serve jobs (see Job and Reply above) until the parent sends None or goes away. ``pil_exact``: the
+    parent's pil_resize_matches_torchvision()."""
     # Ctrl-C reaches the whole process group; shutting workers down is the parent's call.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _warm_up()
+    _warm_up(pil_exact)
     slots = Slots(slot_base)
     inbox = Inbox()
     conn.send(READY)
@@ -194,16 +198,16 @@ def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, slots:
     return Done(slots.next_id, slots.take_retired(), slots.current, shape, grid, time.perf_counter() - start)
 
 
-def _warm_up() -> None:
-    # Pay torch's import before the first request, and keep each worker on one thread:
-    # the pool's parallelism is its processes.
-    try:
-        import torch
-    except ImportError:
-        return
-    torch.set_num_threads(1)
+def _warm_up(pil_exact: bool) -> None:
+    # NOTE: no torch here unless this worker resizes with it (nearest, or a PIL that rounds otherwise: see
+    # trust_pil_resize); importing it cost each preprocessing forkserver ~3.5 s of CPU on a 2-core EPYC
+    # before its first worker could start. Each worker keeps to one thread, torch included if it comes: the
+    # pool's parallelism is its processes.
+    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:  # preloaded by a forkserver that another pool's workers share
+        sys.modules["torch"].set_num_threads(1)
+    trust_pil_resize(pil_exact)
     _patchify_kernel()  # loads (or builds, once per machine) the compiled normalize + patchify
-    pil_resize_matches_torchvision()  # settles, once, whether resize may use PIL's (faster) code
 
 
 def _inject_fault(kind: bytes, slots: Slots) -> None:

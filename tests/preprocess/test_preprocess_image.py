@@ -133,7 +133,7 @@ def test_pil_resize_stands_in_for_torchvision_only_where_exact(monkeypatch):
     monkeypatch.setattr(
         Image.Image, "resize", lambda self, *a, **k: real(self, *a, **k).point(lambda v: v ^ 1)
     )
-    image_mod.pil_resize_matches_torchvision.cache_clear()
+    image_mod._pil_resize_check.cache_clear()
     try:
         assert not image_mod.pil_resize_matches_torchvision()
         im = Image.fromarray(rng.integers(0, 256, (50, 70, 3), dtype=np.uint8))
@@ -141,10 +141,10 @@ def test_pil_resize_stands_in_for_torchvision_only_where_exact(monkeypatch):
         assert np.array_equal(image_mod.resize(im, (28, 56), PreprocessConfig()), want)
         monkeypatch.undo()
         monkeypatch.setenv("VLMSERVE_PIL_RESIZE", "0")  # switched off
-        image_mod.pil_resize_matches_torchvision.cache_clear()
+        image_mod._pil_resize_check.cache_clear()
         assert not image_mod.pil_resize_matches_torchvision()
     finally:
-        image_mod.pil_resize_matches_torchvision.cache_clear()
+        image_mod._pil_resize_check.cache_clear()
 
 
 @pytest.mark.parametrize("orientation", [3, 6, 8, 5])

@@ -293,3 +293,55 @@ def test_cancelled_requests_do_not_disturb_the_pool(pool, images, config):
         pool.run(images[0], config, max_pixels=0)
     with pytest.raises(ValueError, match="leases_per_worker"):
         PreprocessPool(1, leases_per_worker=-1)
+
+
+WORKER_IMPORTS = r"""
+import json, sys
+import numpy as np
+from preprocess import PreprocessConfig, PreprocessPool, preprocess
+from preprocess.image import pil_resize_matches_torchvision
+from tests.support import make_image
+
+def torch_loaded(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch_cpu" in f.read()
+
+data = make_image(333, 517, 1)
+report = {"pil_exact": pil_resize_matches_torchvision()}
+for resample in ("bicubic", "nearest"):
+    config = PreprocessConfig(resample=resample)
+    with PreprocessPool(1) as pool:
+        assert pool.wait_ready(120)
+        got = pool.run(data, config)
+        want = preprocess(data, config)
+        report[resample] = {
+            "equal": got.grid_thw == want.grid_thw and bool(np.array_equal(got.patches, want.patches)),
+            "torch": torch_loaded(pool.worker_pids()[0]),
+        }
+print(json.dumps(report))
+"""
+
+
+def test_workers_import_torch_only_to_resize_with_it():
+    """A forkserver worker resizes with PIL where PIL gives torch's bytes (the parent's verdict), so it never
+    loads libtorch (seconds of start-up per pool); resampling that needs torch (nearest-exact) imports it
+    there and still gives in-process numbers. A fresh process, so no other pool has preloaded torch."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER_IMPORTS],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["bicubic"]["equal"] and report["nearest"]["equal"]
+    assert report["bicubic"]["torch"] == (not report["pil_exact"])
+    assert report["nearest"]["torch"]
