@@ -10,10 +10,14 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from api.config import DEFAULT_IMAGE_LIMIT, ServerArgs, parse_limit_mm
-from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT, MediaConfig
-from lm_engine.config import EngineConfig
+if TYPE_CHECKING:
+    from api.media import MediaConfig
+
+# NOTE: nothing heavy at module level (each function imports what it needs): worker processes that
+# multiprocessing starts re-import the main module (`python -m api.cli`, or the `vlmserve` script that imports
+# it), and torch et al. here cost every preprocess and encoder worker seconds of start-up.
 
 
 def _default(cls, name: str):
@@ -23,6 +27,8 @@ def _default(cls, name: str):
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from lm_engine.config import EngineConfig
+
     e = functools.partial(_default, EngineConfig)
     p.add_argument(
         "--model", default=None, help="local Hugging Face checkpoint directory (default: the demo model)"
@@ -220,6 +226,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
     """What a request may carry and where its images may come from (serve and batch alike)."""
+    from api.config import DEFAULT_IMAGE_LIMIT, parse_limit_mm
+    from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT
+
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -258,6 +267,8 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
 
 
 def _media_config(args: argparse.Namespace) -> MediaConfig:
+    from api.media import MediaConfig
+
     return MediaConfig(
         max_bytes=args.max_media_bytes,
         read_timeout=args.media_fetch_timeout,
@@ -304,6 +315,8 @@ def _check_visual_level(args: argparse.Namespace, model: str) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
+    from api.config import ServerArgs
+
     srv = functools.partial(_default, ServerArgs)
     p.add_argument(
         "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
@@ -335,6 +348,8 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
+    from lm_engine.config import EngineConfig
+
     e = functools.partial(_default, EngineConfig)
     g = p.add_argument_group("load control")
     g.add_argument(
@@ -375,8 +390,10 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from api.config import ServerArgs
     from api.server import run_server
     from encoder.tier import command as encoder_tier
+    from lm_engine.config import EngineConfig
     from lm_engine.memory import bound_native_caches
 
     bound_native_caches()  # NOTE: before the engine runs its first matmul
@@ -412,6 +429,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     """OpenAI batch file in, batch output out, on the engine in this process (see api/batch.py)."""
     from api.batch import BatchOptions, run_batch
+    from lm_engine.config import EngineConfig
     from lm_engine.engine import LLMEngine
     from lm_engine.memory import bound_native_caches
 

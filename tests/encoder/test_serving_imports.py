@@ -54,3 +54,16 @@ def test_serving_imports_no_transformers_modeling_module(tiny_ckpt):
     assert report["modeling"] == []
     # nor torchvision (its import pulls in torch._dynamo: seconds of start-up in every serving process)
     assert report["heavy"] == []
+
+
+def test_the_command_module_is_light():
+    """Worker processes re-import the main module (``python -m api.cli``, or the ``vlmserve`` script that
+    imports it) before they run: api.cli must not import torch at module level, or every preprocess and
+    encoder worker pays for it again."""
+    code = "import sys, api.cli; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"
