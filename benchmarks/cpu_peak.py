@@ -56,10 +56,12 @@ def main() -> None:
     print(f"CPU flags: {cpu_flags()}  threads {args.threads}")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         peak = peak_gflops(name, args.threads, args.seconds)
-        mm = machine_rates(dtype, 4, 64, 5)["matmul_gflops"]
         if peak is None:
-            print(f"{name:9} peak: no such instruction here; torch matmul {mm:.0f} GFLOP/s")
+            # NOTE: no timing of torch's matmul either: without the instruction a bf16 matmul of this size
+            # takes minutes (a scalar fallback, on one thread, on an AVX2-only EPYC)
+            print(f"{name:9} peak: no such instruction here")
         else:
+            mm = machine_rates(dtype, 4, 64, 5)["matmul_gflops"]
             print(
                 f"{name:9} peak {peak:.0f} GFLOP/s; torch matmul {mm:.0f} GFLOP/s ({mm / peak:.0%} of the peak)"
             )
