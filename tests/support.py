@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
@@ -18,6 +21,23 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_fresh(code: str, *args: str, timeout: float = 240):
+    """Run ``code`` in a fresh interpreter (nothing imported or preloaded by this one) from the repository
+    root; returns the JSON object it printed last."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def on_ci() -> bool:

@@ -155,22 +155,10 @@ def test_tiny_checkpoint_tower_equals_transformers(qwen3_tiny_ckpt):
 def test_server_answers_qwen3_image_request_without_transformers_modeling(qwen3_tiny_ckpt):
     """`--model` takes a Qwen3-VL checkpoint: the server answers an image request through our tower and
     decoder, with no transformers modeling module imported."""
-    import os
-    import subprocess
-    import sys
+    from tests.encoder.test_serving_imports import SERVE_ONE_REQUEST
+    from tests.support import run_fresh
 
-    from tests.encoder.test_serving_imports import REPO, SERVE_ONE_REQUEST
-
-    proc = subprocess.run(
-        [sys.executable, "-c", SERVE_ONE_REQUEST, str(qwen3_tiny_ckpt)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_fresh(SERVE_ONE_REQUEST, str(qwen3_tiny_ckpt))
     assert report["status"] == 200, report["body"]
     assert report["patches"] and report["patches"][0] > 0
     assert report["modeling"] == []

@@ -3,13 +3,7 @@ has imported no transformers modeling module (transformers' towers would cap our
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import run_fresh
 
 SERVE_ONE_REQUEST = r"""
 import base64, json, re, sys
@@ -38,17 +32,7 @@ print(json.dumps({"status": resp.status_code, "body": resp.text, "patches": patc
 
 
 def test_serving_imports_no_transformers_modeling_module(tiny_ckpt):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", SERVE_ONE_REQUEST, str(tiny_ckpt)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_fresh(SERVE_ONE_REQUEST, str(tiny_ckpt))
     assert report["status"] == 200, report["body"]
     assert report["patches"] and report["patches"][0] > 0  # the image really went through the tower
     assert report["modeling"] == []
@@ -60,10 +44,5 @@ def test_the_command_module_is_light():
     """Worker processes re-import the main module (``python -m api.cli``, or the ``vlmserve`` script that
     imports it) before they run: api.cli must not import torch at module level, or every preprocess and
     encoder worker pays for it again."""
-    code = "import sys, api.cli; print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip() == "[]"
+    code = "import json, sys, api.cli; print(json.dumps([m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]))"
+    assert run_fresh(code, timeout=60) == []

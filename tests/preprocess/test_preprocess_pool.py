@@ -14,6 +14,7 @@ import torch
 
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError, preprocess
 from preprocess.worker import MAX_IDLE_SLOTS
+from tests.support import run_fresh
 
 FAULT = b"\x00VLMSERVE-TEST-FAULT:"
 TICKS = 20
@@ -326,22 +327,7 @@ def test_workers_import_torch_only_to_resize_with_it():
     """A forkserver worker resizes with PIL where PIL gives torch's bytes (the parent's verdict), so it never
     loads libtorch (seconds of start-up per pool); resampling that needs torch (nearest-exact) imports it
     there and still gives in-process numbers. A fresh process, so no other pool has preloaded torch."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", WORKER_IMPORTS],
-        cwd=repo,
-        env={**os.environ, "PYTHONPATH": str(repo)},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_fresh(WORKER_IMPORTS)
     assert report["bicubic"]["equal"] and report["nearest"]["equal"]
     assert report["bicubic"]["torch"] == (not report["pil_exact"])
     assert report["nearest"]["torch"]
