@@ -4,12 +4,14 @@ ports and metrics, and transformers as the oracle."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler
@@ -235,3 +237,98 @@ class HFOracle:
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kw)
             self._memo[key] = out[0, inputs["input_ids"].shape[1] :].tolist()
         return self._memo[key]
+
+
+class RedisProxy:
+    """A loopback TCP forwarder to the test Redis that a test can switch, so the machine's real Redis server is
+    never stopped. ``mode``: "forward"; "blackhole" drops every byte clients send (a partitioned network: no
+    answer ever comes); "stall" holds them until ``resume()`` (a Redis that hangs, then recovers; ``held`` is
+    set once bytes were held). ``close()`` cuts every connection and the port then refuses (Redis gone).
+    ``request_bytes`` counts what clients sent, forwarded or not."""
+
+    def __init__(self, target: tuple[str, int] = ("127.0.0.1", 6379)) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.held = threading.Event()
+        self.request_bytes = 0
+        self._mode = "forward"
+        self._go = threading.Event()
+        self._go.set()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, db: int) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in ("forward", "blackhole", "stall"):
+            raise ValueError(f"proxy mode must be forward, blackhole or stall, got {mode!r}")
+        if mode == "stall":
+            self.held.clear()
+            self._go.clear()
+        self._mode = mode
+        if mode != "stall":
+            self._go.set()
+
+    def stall(self) -> None:
+        self.mode = "stall"
+
+    def resume(self) -> None:
+        self.mode = "forward"
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks, self._socks = self._socks, []
+        self.listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self._go.set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._closed:
+                    client.close()
+                    upstream.close()
+                    return
+                self._socks += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if from_client:
+                    self.request_bytes += len(data)
+                    if self._mode == "blackhole":
+                        continue
+                    if not self._go.is_set():
+                        self.held.set()
+                        self._go.wait()
+                if self._closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import socket
-import threading
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Literal
 
 import pytest
 import redis
@@ -17,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cache import EmbeddingKey, RedisTier
-from tests.support import free_port, skip_or_fail
+from tests.support import RedisProxy, free_port, skip_or_fail
 
 # NOTE: only ever 127.0.0.1; db 13 keeps test keys away from anything else using this server.
 REDIS_HOST, REDIS_PORT, REDIS_DB = "127.0.0.1", 6379, 13
@@ -186,58 +183,8 @@ def black_hole() -> Iterator[BlackHole]:
     hole.close()
 
 
-class SwitchableProxy:
-    """TCP proxy 127.0.0.1:<port> -> the test Redis, switchable to swallowing every byte.
-
-    In "blackhole" mode requests on new and existing connections are dropped and never
-    answered, as with a hung server or a partitioned network; "forward" restores service.
-    """
-
-    def __init__(self, target: tuple[str, int] = (REDIS_HOST, REDIS_PORT)) -> None:
-        self.target = target
-        self.mode: Literal["forward", "blackhole"] = "forward"
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.port = self._server.getsockname()[1]
-        self._sockets: list[socket.socket] = []
-        self.request_bytes = 0  # bytes clients sent, forwarded or swallowed
-        self._closed = False
-        threading.Thread(target=self._accept_loop, daemon=True).start()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._server.accept()
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                return
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, is_request: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if is_request:
-                    self.request_bytes += len(data)
-                    if self.mode == "blackhole":
-                        continue
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._closed = True
-        self._server.close()
-        for s in self._sockets:
-            s.close()
-
-
 @pytest.fixture
-def redis_proxy() -> Iterator[SwitchableProxy]:
-    proxy = SwitchableProxy()
+def redis_proxy() -> Iterator[RedisProxy]:
+    proxy = RedisProxy((REDIS_HOST, REDIS_PORT))
     yield proxy
     proxy.close()

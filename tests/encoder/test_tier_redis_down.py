@@ -2,7 +2,7 @@
 through shared memory, the pool's circuit breaker shows in its stats, and an engine elsewhere (embeddings
 through Redis) is told at once and falls back as configured: a local encode or a 503 with Retry-After.
 
-Redis is reached through a proxy the tests stall or close (tier_support.RedisProxy); the machine's Redis
+Redis is reached through a proxy the tests stall or close (tests.support.RedisProxy); the machine's Redis
 server is never stopped. The pool's Redis timeout is long (600 s), so a stalled write holds its thread for
 as long as the test says, whatever the machine's speed.
 """
@@ -16,8 +16,8 @@ from preprocess import PreprocessConfig
 from tests.conftest import ENGINE_REDIS_URL
 from tests.encoder.test_tier_client import app, idle_metrics, image_chat
 from tests.encoder.test_tier_pool import encode_here
-from tests.encoder.tier_support import RawEngine, RedisProxy, start_pool
-from tests.support import make_image, redis_client
+from tests.encoder.tier_support import RawEngine, start_pool
+from tests.support import RedisProxy, make_image, redis_client
 
 # NOTE: a pool and three engines start here; on a crowded 2-core machine that can pass the default 300 s.
 pytestmark = pytest.mark.timeout(1200)

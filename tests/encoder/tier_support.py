@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -93,79 +92,6 @@ def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     tcp = next(w for w in line.split() if w.startswith("tcp://"))
     return Pool(proc, tcp, sock, hooks)
-
-
-class RedisProxy:
-    """A loopback TCP forwarder to the test Redis that a test can stall (Redis hangs: bytes from clients are
-    held, not forwarded) or close (Redis gone: connections cut, the port refuses), so the machine's real Redis
-    server is never stopped."""
-
-    def __init__(self, target: tuple[str, int] = ("127.0.0.1", 6379)) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.held = threading.Event()  # set once bytes were held back by a stall
-        self._go = threading.Event()
-        self._go.set()
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def url(self, db: int) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
-
-    def stall(self) -> None:
-        self.held.clear()
-        self._go.clear()
-
-    def resume(self) -> None:
-        self._go.set()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks, self._socks = self._socks, []
-        self.listener.close()
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-        self._go.set()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                if self._closed:
-                    client.close()
-                    upstream.close()
-                    return
-                self._socks += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
-        try:
-            while data := src.recv(65536):
-                if from_client and not self._go.is_set():
-                    self.held.set()
-                    self._go.wait()
-                if self._closed:
-                    break
-                dst.sendall(data)
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_RDWR)
 
 
 class RawEngine:
