@@ -271,11 +271,11 @@ class RedisProxy:
     def mode(self, mode: str) -> None:
         if mode not in ("forward", "blackhole", "stall"):
             raise ValueError(f"proxy mode must be forward, blackhole or stall, got {mode!r}")
+        self._mode = mode
         if mode == "stall":
             self.held.clear()
             self._go.clear()
-        self._mode = mode
-        if mode != "stall":
+        else:
             self._go.set()
 
     def stall(self) -> None:

@@ -21,9 +21,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support import QuietHandler, free_port, make_image, parse_metrics, wait_idle
+from tests.support import REPO, QuietHandler, free_port, make_image, parse_metrics, wait_idle
 
-REPO = Path(__file__).resolve().parents[2]
 NETGUARD = Path(__file__).resolve().parent / "netguard"
 
 # Names the server process may resolve (the guard answers them; nothing reaches DNS).

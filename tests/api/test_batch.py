@@ -17,9 +17,8 @@ import pytest
 from api.batch import BatchOptions, run_batch
 from api.media import MediaConfig
 from lm_engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from tests.support import data_url, image_part, make_image
+from tests.support import REPO, data_url, image_part, make_image
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_NEW = 8
 BLOCK = 16
 PAGES = [make_image(224, 224, 31), make_image(280, 196, 32, "JPEG"), make_image(196, 252, 33)]

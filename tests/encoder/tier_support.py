@@ -19,8 +19,7 @@ from encoder.tier import wire
 from encoder.tier.workers import HOOK_ENV
 from preprocess import PreprocessConfig, preprocess
 from preprocess.hashing import image_hash
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 @dataclass

@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import lm_engine.llm
+from tests.support import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 SCRIPT = """
 import torch

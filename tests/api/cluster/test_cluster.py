@@ -23,9 +23,8 @@ import pytest
 
 from api.cluster.haproxy import AdminSocket
 from tests.api.cluster.conftest import REDIS_PREFIX, balancer_log_line
-from tests.support import data_url, free_port, make_image, parse_metrics, wait_idle
+from tests.support import REPO, data_url, free_port, make_image, parse_metrics, wait_idle
 
-REPO = Path(__file__).resolve().parents[3]
 SERVE_ARGS = [
     "--num-kv-blocks", "256",
     "--max-num-seqs", "16",

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from api.cli import main
 from api.cluster import command
 from api.cluster.haproxy import BalancerConfig
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support import REPO
 
 
 def vlmserve(*args: str) -> subprocess.CompletedProcess:
