@@ -4,16 +4,16 @@
  * In: qkv [N, 3, H, D] (float32 or bfloat16, the qkv projection's rows), optional rotary tables cos/sin
  * [N, D/2] float32, cu_seqlens [S + 1] int32. Out: [N, H, D] in the input dtype.
  *
- * Two phases over a thread pool. Pack: per (segment, head, 64-row chunk) apply the rotary to q and k in
- * float32, round to the input dtype (as transformers does) and lay q, k, v out for the products, each
- * segment padded with zero rows to a multiple of 64. Attend: per (segment, head, 64 query rows) a flash
- * loop over 64-key blocks — scores of 4 rows × 64 keys in registers, an online softmax in float32 (exp2
- * of scores pre-multiplied by scale·log2 e), then P·V into a float32 accumulator block.
+ * Two phases over a thread pool. Pack: per 64-row chunk of a segment (every head: rows of qkv are read in
+ * order) apply the rotary to q and k in float32, round to the input dtype (as transformers does) and lay q, k,
+ * v out for the products, each segment padded with zero rows to a multiple of 64. Attend: per (segment, head,
+ * 64 query rows) a flash loop over 64-key blocks with an online softmax in float32 (exp2 of scores
+ * pre-multiplied by scale·log2 e) and no score matrix in memory.
  *
  * Where the compiler targets AVX512-BF16 (-march=native on such a CPU) and the input is bfloat16, both
- * products are bf16 dot products (vdpbf16ps, float32 accumulation): k is packed in tiles of 16 keys ×
- * pairs of dims, v in pairs of keys × dims, and P is rounded to bfloat16 as flash attention does. Else
- * the products are float32 FMAs on GCC vectors (16 lanes with AVX-512, 8 with AVX2).
+ * products are bf16 dot products (vdpbf16ps, float32 accumulation) over tiles of 16 query rows held in the
+ * lanes (see attend_unit_dot), P rounded to bfloat16 as flash attention does. Else they are float32 FMAs on
+ * GCC vectors (16 lanes with AVX-512, 8 with AVX2) over 4 query rows × 64 keys in registers.
  *
  * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
  * compiled path shares one thread pool.
@@ -47,7 +47,7 @@
 
 #define QB 64 /* query rows per unit of work, and the row padding of every segment */
 #define KB 64 /* keys per block */
-#define RT 4  /* query rows per register tile */
+#define RT 4  /* query rows per register tile of the float32 products */
 #define MAX_D 256
 #define MAX_THREADS 64
 
@@ -167,40 +167,68 @@ static inline void locate(const job_t *j, int64_t u, int64_t *s, int64_t *h, int
     *c = g - j->chunk[lo];
 }
 
-static void load_row(const job_t *j, int64_t row, int64_t which, int64_t h, float *x) {
-    const int64_t off = ((row * 3 + which) * j->heads + h) * j->d;
+/* The pack works on 8 lanes whatever the target (every half of a head is a multiple of 8 wide). */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+
+/* 8 values of q, k or v (`which`) of head h in `row`, from element e, in float32. */
+static inline v8f load8(const job_t *j, int64_t row, int64_t which, int64_t h, int64_t e) {
+    const int64_t off = ((row * 3 + which) * j->heads + h) * j->d + e;
     if (j->bf16_in) {
-        const uint16_t *p = (const uint16_t *)j->qkv + off;
-        for (int64_t e = 0; e < j->d; e++) x[e] = bf16_to_f32(p[e]);
-    } else {
-        memcpy(x, (const float *)j->qkv + off, (size_t)j->d * sizeof(float));
+        const v8h x = *(const v8h *)((const uint16_t *)j->qkv + off);
+        return (v8f)(__builtin_convertvector(x, v8u) << 16);
     }
+    return *(const v8f *)((const float *)j->qkv + off);
 }
 
-/* Rotary in float32 as transformers' apply_rotary_pos_emb_vision, then rounded to the input dtype. */
-static void rotate(const job_t *j, int64_t row, float *x) {
-    const int64_t half = j->d / 2;
-    const float *c = j->cos + row * half, *s = j->sin + row * half;
-    for (int64_t e = 0; e < half; e++) {
-        const float a = x[e], b = x[e + half];
-        x[e] = a * c[e] + (-b) * s[e];
-        x[e + half] = b * c[e] + a * s[e];
-    }
+/* f32_to_bf16 on 8 lanes: round to nearest even, NaN kept quiet. */
+static inline v8h bf16_8(v8f x) {
+    const v8u u = (v8u)x;
+    const v8u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const v8u nan = (v8u)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), v8h);
 }
 
-static void round_bf16(const job_t *j, float *x) {
-    if (!j->bf16_in) return;
-    for (int64_t e = 0; e < j->d; e++) x[e] = bf16_to_f32(f32_to_bf16(x[e]));
+/* One row of q, k or v of head h into x (float32); q and k rotated as transformers' apply_rotary_pos_emb_vision
+ * (in float32, then rounded to the input dtype). */
+static void load_row(const job_t *j, int64_t row, int64_t which, int64_t h, float *x) {
+    const int64_t d = j->d, half = d / 2;
+    if (!j->cos || which == 2) {
+        for (int64_t e = 0; e < d; e += 8) *(v8f *)(x + e) = load8(j, row, which, h, e);
+        return;
+    }
+    const float *c = j->cos + row * half, *sn = j->sin + row * half;
+    for (int64_t e = 0; e < half; e += 8) {
+        const v8f a = load8(j, row, which, h, e), b = load8(j, row, which, h, e + half);
+        const v8f cv = *(const v8f *)(c + e), sv = *(const v8f *)(sn + e);
+        v8f lo = a * cv + (-b) * sv, hi = b * cv + a * sv;
+        if (j->bf16_in) {
+            lo = (v8f)(__builtin_convertvector(bf16_8(lo), v8u) << 16);
+            hi = (v8f)(__builtin_convertvector(bf16_8(hi), v8u) << 16);
+        }
+        *(v8f *)(x + e) = lo;
+        *(v8f *)(x + e + half) = hi;
+    }
 }
 
 static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q, const float *k, const float *v) {
     const int64_t d = j->d, base = h * j->padded;
-    if (j->dot) {
-        uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
-        const int64_t tile = prow / 16, lane = prow % 16, pair = prow / 2, w = prow % 2;
-        for (int64_t e = 0; e < d; e++) qp[(base + prow) * d + e] = f32_to_bf16(q[e]);
-        for (int64_t e = 0; e < d; e++) kp[(base + tile * 16) * d + (e / 2) * 32 + lane * 2 + e % 2] = f32_to_bf16(k[e]);
-        for (int64_t e = 0; e < d; e++) vp[(base + pair * 2) * d + e * 2 + w] = f32_to_bf16(v[e]);
+    if (j->dot) { /* q and k: tiles of 16 rows [D/2][16][2], a row's pairs 16 words apart; v: key pairs [D][2] */
+        uint16_t tq[MAX_D], tk[MAX_D], tv[MAX_D];
+        for (int64_t e = 0; e < d; e += 8) {
+            *(v8h *)(tq + e) = bf16_8(*(const v8f *)(q + e));
+            *(v8h *)(tk + e) = bf16_8(*(const v8f *)(k + e));
+            *(v8h *)(tv + e) = bf16_8(*(const v8f *)(v + e));
+        }
+        const int64_t tile = (base + prow / 16 * 16) * d, lane = prow % 16;
+        uint16_t *qp = (uint16_t *)j->qp + tile + lane * 2, *kp = (uint16_t *)j->kp + tile + lane * 2;
+        for (int64_t e = 0; e < d; e += 2) {
+            memcpy(qp + e * 16, tq + e, 4);
+            memcpy(kp + e * 16, tk + e, 4);
+        }
+        uint16_t *vp = (uint16_t *)j->vp + (base + prow / 2 * 2) * d + prow % 2;
+        for (int64_t e = 0; e < d; e++) vp[e * 2] = tv[e];
     } else {
         float *qp = j->qp, *kp = j->kp, *vp = j->vp;
         const int64_t tile = prow / VW, lane = prow % VW;
@@ -210,103 +238,75 @@ static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q
     }
 }
 
+/* Unit u: the 64-row chunk u (of all segments, in order), every head. NOTE: a unit reads whole rows of qkv in
+ * order. Packing one head per unit read 384 of every row's bytes, rows thousands of bytes apart, and ran at
+ * DRAM latency (12 ms of a 4 × 1024-patch call that took 40, one thread); rows in order stream. */
 static void pack_unit(job_t *j, int64_t u) {
     int64_t s, h, c;
-    locate(j, u, &s, &h, &c);
+    locate(j, u * j->heads, &s, &h, &c);
     const int64_t start = j->cu[s], len = j->cu[s + 1] - start;
-    float q[MAX_D], k[MAX_D], v[MAX_D];
+    float q[MAX_D] __attribute__((aligned(32))), k[MAX_D] __attribute__((aligned(32))),
+        v[MAX_D] __attribute__((aligned(32)));
     for (int64_t i = 0; i < QB; i++) {
         const int64_t r = c * QB + i;
-        if (r < len) {
-            load_row(j, start + r, 0, h, q);
-            load_row(j, start + r, 1, h, k);
-            load_row(j, start + r, 2, h, v);
-            if (j->cos) {
-                rotate(j, start + r, q);
-                rotate(j, start + r, k);
-                round_bf16(j, q);
-                round_bf16(j, k);
-            }
-        } else {
+        if (r >= len) {
             memset(q, 0, sizeof q);
             memset(k, 0, sizeof k);
             memset(v, 0, sizeof v);
         }
-        store_packed(j, h, j->pad[s] + r, q, k, v);
+        for (h = 0; h < j->heads; h++) {
+            if (r < len) {
+                load_row(j, start + r, 0, h, q);
+                load_row(j, start + r, 1, h, k);
+                load_row(j, start + r, 2, h, v);
+            }
+            store_packed(j, h, j->pad[s] + r, q, k, v);
+        }
     }
 }
 
 /* ---------------------------------------------------------------- the products */
 
 #if HAVE_BF16DOT
-static inline __m512i bcast_pair(const uint16_t *p) {
+/* The bf16 path keeps query rows in lanes: a tile is 16 query rows, and every score vector holds one key's
+ * scores for those 16 rows (every accumulator of the output, one dim's values for them). The online softmax is
+ * then vertical: the block's max, the sum and the corrections are plain vector ops, and one exp2 gives all 16
+ * rows' corrections, where rows in registers needed two horizontal reductions per row and block. Layouts: q and
+ * k in tiles of 16 rows, [D/2 pairs][16][2] (a key's pair of dims is a 32-bit broadcast), v in pairs of keys ×
+ * dims [KB/2][D][2] (a 32-bit broadcast per dim). */
+#define TR 16 /* query rows per tile: the lanes */
+
+static inline __m512bh bcast_pair(const uint16_t *p) {
     int32_t w;
     memcpy(&w, p, 4);
-    return _mm512_set1_epi32(w);
+    return (__m512bh)_mm512_set1_epi32(w);
 }
 
-/* S[RT][KB] = q[RT rows] · k[64 keys]ᵀ; kt: the block's 4 tiles of [D/2][16 keys][2]. */
-static inline void qk_dot(const uint16_t *q, const uint16_t *kt, int64_t d, float *S) {
-    __m512 a[RT][4];
-    for (int r = 0; r < RT; r++)
-        for (int t = 0; t < 4; t++) a[r][t] = _mm512_setzero_ps();
-    const int64_t ts = 16 * d;
+/* S[i] = the tile's 16 rows · key i, i < 16; qt and kt: tiles [D/2][16][2] of 16 rows and 16 keys (one dim
+ * pair of the 16 keys is one cache line: the broadcasts' addresses are a pointer and constant offsets). */
+static inline void qk_tile(const uint16_t *qt, const uint16_t *kt, int64_t d, __m512 *S) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
     for (int64_t dp = 0; dp < d / 2; dp++) {
-        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + dp * 32);
-        const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + ts + dp * 32);
-        const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kt + 2 * ts + dp * 32);
-        const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kt + 3 * ts + dp * 32);
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            const __m512bh b = (__m512bh)bcast_pair(q + r * d + 2 * dp);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, k0);
-            a[r][1] = _mm512_dpbf16_ps(a[r][1], b, k1);
-            a[r][2] = _mm512_dpbf16_ps(a[r][2], b, k2);
-            a[r][3] = _mm512_dpbf16_ps(a[r][3], b, k3);
-        }
+        const __m512bh q = (__m512bh)_mm512_load_si512(qt + dp * 32);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], q, bcast_pair(kt + dp * 32 + 2 * i));
     }
-    for (int r = 0; r < RT; r++)
-        for (int t = 0; t < 4; t++) _mm512_storeu_ps(S + r * KB + t * 16, a[r][t]);
+    for (int i = 0; i < 16; i++) S[i] = a[i];
 }
 
-/* O[RT rows][d0 .. d0 + 16·NV) = O · corr + P[RT][KB] · v; vb: the block's [KB/2 pairs][D][2]. */
-static inline __attribute__((always_inline)) void pv_dot(const uint16_t *P, const uint16_t *vb, int64_t d, int64_t d0,
-                                                         const int NV, float *O, const float *corr) {
-    __m512 a[RT][4];
-    for (int r = 0; r < RT; r++)
-        for (int c = 0; c < NV; c++) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(O + r * d + d0 + c * 16), _mm512_set1_ps(corr[r]));
-    /* NOTE: v's vectors are loaded once and used by every row. Left to itself GCC 12 reloaded them for each
-     * row (16 loads per 16 dot products instead of 4: this loop was bound by loads); the empty asm makes
-     * them opaque values it has to keep in registers. */
-    const uint16_t *vrow = vb + d0 * 2;
-    for (int64_t jp = 0; jp < KB / 2; jp++, vrow += 2 * d) {
-        __m512bh v0 = (__m512bh)_mm512_loadu_si512(vrow);
-        __m512bh v1 = NV > 1 ? (__m512bh)_mm512_loadu_si512(vrow + 32) : v0;
-        __m512bh v2 = NV > 2 ? (__m512bh)_mm512_loadu_si512(vrow + 64) : v0;
-        __m512bh v3 = NV > 3 ? (__m512bh)_mm512_loadu_si512(vrow + 96) : v0;
-        __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3)); /* opaque: kept, not reloaded */
-#pragma GCC unroll 4
-        for (int r = 0; r < RT; r++) {
-            const __m512bh b = (__m512bh)bcast_pair(P + r * KB + 2 * jp);
-            a[r][0] = _mm512_dpbf16_ps(a[r][0], b, v0);
-            if (NV > 1) a[r][1] = _mm512_dpbf16_ps(a[r][1], b, v1);
-            if (NV > 2) a[r][2] = _mm512_dpbf16_ps(a[r][2], b, v2);
-            if (NV > 3) a[r][3] = _mm512_dpbf16_ps(a[r][3], b, v3);
-        }
+/* Ot[e] (e in [d0, d0 + 16), 16 rows each) = Ot[e] · corr + Σ pairs P[jp] · v[jp][e]; vb: the block's pairs. */
+static inline void pv_tile(const __m512i *P, int64_t pairs, const uint16_t *vb, int64_t d, int64_t d0, float *Ot,
+                           __m512 corr) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_mul_ps(_mm512_load_ps(Ot + (d0 + i) * TR), corr);
+    for (int64_t jp = 0; jp < pairs; jp++) {
+        const __m512bh p = (__m512bh)P[jp];
+        const uint16_t *v = vb + jp * 2 * d + d0 * 2;
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) a[i] = _mm512_dpbf16_ps(a[i], p, bcast_pair(v + 2 * i));
     }
-    for (int r = 0; r < RT; r++)
-        for (int c = 0; c < NV; c++) _mm512_storeu_ps(O + r * d + d0 + c * 16, a[r][c]);
-}
-
-static void pv_dot_all(const uint16_t *P, const uint16_t *vb, int64_t d, float *O, const float *corr) {
-    int64_t d0 = 0;
-    for (; d0 + 64 <= d; d0 += 64) pv_dot(P, vb, d, d0, 4, O, corr);
-    switch ((d - d0) / 16) {
-    case 3: pv_dot(P, vb, d, d0, 3, O, corr); break;
-    case 2: pv_dot(P, vb, d, d0, 2, O, corr); break;
-    case 1: pv_dot(P, vb, d, d0, 1, O, corr); break;
-    default: break;
-    }
+    for (int i = 0; i < 16; i++) _mm512_store_ps(Ot + (d0 + i) * TR, a[i]);
 }
 
 /* 2^x on AVX-512 for the bf16 path: n = round(x), 2^(x - n) by a degree-5 near-minimax polynomial on
@@ -325,42 +325,73 @@ static inline __m512 exp2_512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* The online softmax of RT rows of S at once (the bf16 path's softmax_row): P rounded to bfloat16 into Pb,
- * running max m and sum l moved on, corr[r] the factor row r's accumulator is scaled by. Keys past `kv` are
- * masked out. The four rows' corrections take one exp2 together, instead of a libm call per row. */
-static inline void softmax_tile_dot(const job_t *j, const float *S, int64_t kv, float *m, float *l, uint16_t *Pb,
-                                    float *corr) {
-    __mmask16 keep[KB / 16];
-    for (int i = 0; i < KB / 16; i++) {
-        const int64_t real = kv - i * 16;
-        keep[i] = real >= 16 ? (__mmask16)0xffff : real <= 0 ? (__mmask16)0 : (__mmask16)((1u << real) - 1);
+/* 2^x for the probabilities (x finite, <= 0): a degree-3 near-minimax polynomial (relative error 7.5e-5,
+ * below the 2^-9 of the bfloat16 P it is rounded to; the row sums l take the same values, so the ratio P/l
+ * keeps the polynomial's error only where P's rounding dominates it anyway). No clamp: vscalefps takes
+ * 2^n to 0 below float32's range. 6 instructions against exp2_512's 9. */
+static inline __m512 exp2_p(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(5.517150089144707e-2f), _mm512_set1_ps(2.4261096119880676e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.932609677314758e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999280571937561e-1f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The online softmax of one tile over one block of `kv` keys (S: raw scores; keys past kv are not read): the
+ * running max m (in scale2 units) and sum l of the 16 rows moved on, P the block's probabilities rounded to
+ * bfloat16 in key pairs [KB/2][16 rows][2] (as flash attention rounds P); returns the rows' correction. */
+static inline __m512 softmax_tile(const __m512 *S, int64_t kv, float scale2, __m512 *m, __m512 *l, __m512i *P) {
+    const __m512 sc = _mm512_set1_ps(scale2), zero = _mm512_setzero_ps();
+    __m512 mx4[4] = {S[0], S[0], S[0], S[0]}; /* four chains: one would be 63 dependent maxes a block */
+    for (int64_t i = 1; i < kv; i++) mx4[i % 4] = _mm512_max_ps(mx4[i % 4], S[i]);
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+    const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(mx, sc));
+    const __m512 corr = exp2_512(_mm512_sub_ps(*m, mnew));
+    /* word 2r ← p(key 2i)[r], word 2r + 1 ← p(key 2i + 1)[r]: cvtne2ps puts the first key in words 0-15 */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sum = zero;
+    for (int64_t i = 0; i < kv; i += 2) {
+        const __m512 p0 = exp2_p(_mm512_fmsub_ps(S[i], sc, mnew));
+        const __m512 p1 = i + 1 < kv ? exp2_p(_mm512_fmsub_ps(S[i + 1], sc, mnew)) : zero;
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        P[i / 2] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
-    const __m512 scale = _mm512_set1_ps(j->scale2), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 s[RT][KB / 16];
-    float mnew[16] = {0}, mold[16] = {0};
-    for (int r = 0; r < RT; r++) {
-        __m512 mx = ninf;
-        for (int i = 0; i < KB / 16; i++) {
-            s[r][i] = _mm512_mask_mul_ps(ninf, keep[i], _mm512_loadu_ps(S + r * KB + i * 16), scale);
-            mx = _mm512_max_ps(mx, s[r][i]);
+    *l = _mm512_fmadd_ps(*l, corr, sum);
+    *m = mnew;
+    return corr;
+}
+
+/* One unit on the bf16 path: `rows` query rows from padded row `base + r0`, keys [0, len) from `base`. */
+static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
+                            int64_t base) {
+    const int64_t d = j->d, tiles = (rows + TR - 1) / TR;
+    float Ot[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows] */
+    __m512 S[KB], m[QB / TR], l[QB / TR];
+    __m512i P[KB / 2];
+    memset(Ot, 0, sizeof(float) * (size_t)(tiles * d * TR));
+    for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
+    const uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
+    for (int64_t k0 = 0; k0 < len; k0 += KB) {
+        const int64_t kv = len - k0 < KB ? len - k0 : KB;
+        const uint16_t *kb = kp + (base + k0) * d, *vb = vp + (base + k0) * d;
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint16_t *qt = qp + (base + r0 + t * TR) * d;
+            for (int64_t k1 = 0; k1 < kv; k1 += 16) qk_tile(qt, kb + k1 * d, d, S + k1);
+            const __m512 corr = softmax_tile(S, kv, j->scale2, m + t, l + t, P);
+            for (int64_t d0 = 0; d0 < d; d0 += 16) pv_tile(P, (kv + 1) / 2, vb, d, d0, Ot + t * d * TR, corr);
         }
-        const float bmax = _mm512_reduce_max_ps(mx);
-        mold[r] = m[r];
-        mnew[r] = m[r] > bmax ? m[r] : bmax;
     }
-    float c16[16];
-    _mm512_storeu_ps(c16, exp2_512(_mm512_sub_ps(_mm512_loadu_ps(mold), _mm512_loadu_ps(mnew))));
-    for (int r = 0; r < RT; r++) corr[r] = c16[r];
-    for (int r = 0; r < RT; r++) {
-        const __m512 mr = _mm512_set1_ps(mnew[r]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < KB / 16; i++) {
-            const __m512 pv = _mm512_maskz_mov_ps(keep[i], exp2_512(_mm512_sub_ps(s[r][i], mr)));
-            sum = _mm512_add_ps(sum, pv);
-            _mm256_storeu_si256((__m256i *)(Pb + r * KB + i * 16), (__m256i)_mm512_cvtneps_pbh(pv));
+    const int64_t stride = j->heads * d;
+    for (int64_t t = 0; t < tiles; t++) {
+        float lt[TR];
+        _mm512_storeu_ps(lt, l[t]);
+        for (int64_t r = 0; r < TR && t * TR + r < rows; r++) {
+            const float inv = 1.0f / lt[r];
+            uint16_t *o = (uint16_t *)j->out + (j->cu[s] + r0 + t * TR + r) * stride + h * d;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(Ot[(t * d + e) * TR + r] * inv);
         }
-        l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-        m[r] = mnew[r];
     }
 }
 #endif
@@ -486,9 +517,14 @@ static void attend_unit(job_t *j, int64_t u) {
     const int64_t d = j->d, len = j->cu[s + 1] - j->cu[s], r0 = c * QB;
     const int64_t rows = len - r0 < QB ? len - r0 : QB, groups = (rows + RT - 1) / RT;
     const int64_t base = h * j->padded + j->pad[s]; /* padded row of the segment's first row */
+#if HAVE_BF16DOT
+    if (j->dot) {
+        attend_unit_dot(j, s, h, r0, rows, len, base);
+        return;
+    }
+#endif
     float O[QB * MAX_D] __attribute__((aligned(64)));
     float S[RT * KB] __attribute__((aligned(64))), P[RT * KB] __attribute__((aligned(64)));
-    uint16_t Pb[RT * KB] __attribute__((aligned(64)));
     float m[QB], l[QB], corr[RT];
     memset(O, 0, sizeof(float) * (size_t)(groups * RT * d));
     for (int64_t i = 0; i < QB; i++) m[i] = -INFINITY, l[i] = 0.0f;
@@ -496,15 +532,6 @@ static void attend_unit(job_t *j, int64_t u) {
         const int64_t kv = len - k0 < KB ? len - k0 : KB;
         for (int64_t g = 0; g < groups; g++) {
             float *o = O + g * RT * d, *mg = m + g * RT, *lg = l + g * RT;
-#if HAVE_BF16DOT
-            if (j->dot) {
-                const uint16_t *q = (const uint16_t *)j->qp + (base + r0 + g * RT) * d;
-                qk_dot(q, (const uint16_t *)j->kp + (base + k0) * d, d, S);
-                softmax_tile_dot(j, S, kv, mg, lg, Pb, corr);
-                pv_dot_all(Pb, (const uint16_t *)j->vp + (base + k0) * d, d, o, corr);
-                continue;
-            }
-#endif
             const float *q = (const float *)j->qp + (base + r0 + g * RT) * d;
             for (int t = 0; t < KB / (4 * VW); t++)
                 qk_f32(q, (const float *)j->kp + (base + k0 + t * 4 * VW) * d, d, S + t * 4 * VW);
@@ -512,7 +539,6 @@ static void attend_unit(job_t *j, int64_t u) {
             pv_f32_all(P, (const float *)j->vp + (base + k0) * d, d, o, corr);
         }
     }
-    (void)Pb;
     write_rows(j, s, h, r0, rows, O, l);
 }
 
@@ -697,9 +723,10 @@ int vlm_varlen_attention(const void *qkv, const float *cos, const float *sin, co
     int rc = plan(&j, n);
     if (rc == 0) {
         pthread_mutex_lock(&pool.call);
-        j.units = j.chunk[segs] * heads;
+        j.units = j.chunk[segs];
         j.unit = pack_unit;
         dispatch(&j, threads);
+        j.units = j.chunk[segs] * heads;
         j.unit = attend_unit;
         dispatch(&j, threads);
         pthread_mutex_unlock(&pool.call);
