@@ -140,11 +140,13 @@ class HookTimer:
     """Wall time inside Linear/Conv3d modules, and inside attention modules less their own projections."""
 
     def __init__(self, model: torch.nn.Module, attention_cls: tuple[type, ...]) -> None:
+        from encoder.models.linear import PackedLinear
+
         self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
         self.handles = []
         inside = {id(m) for a in model.modules() if isinstance(a, attention_cls) for m in a.modules()}
         for mod in model.modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv3d)):
+            if isinstance(mod, (torch.nn.Linear, PackedLinear, torch.nn.Conv3d)):
                 self._time(mod, ["linear", "projections"] if id(mod) in inside else ["linear"])
             elif isinstance(mod, attention_cls):
                 self._time(mod, ["attention"])
@@ -183,11 +185,13 @@ def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, Qwen3VLVisionModel
 
     from encoder.models import build_vision_tower
+    from encoder.models.linear import pack_linears
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
     config = json.loads((model_dir / "config.json").read_text())
     ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    pack_linears(ours)  # as the server runs it
     hf_cfg = Qwen3VLVisionConfig(**config["vision_config"])
     hf_cfg._attn_implementation = "sdpa"
     hf = Qwen3VLVisionModel._from_config(hf_cfg, dtype=dtype).eval()
@@ -207,11 +211,13 @@ def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
     from encoder.models import build_vision_tower, family_of
+    from encoder.models.linear import pack_linears
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
     config = json.loads((model_dir / "config.json").read_text())
     ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    pack_linears(ours)  # as the server runs it
     if family_of(config) == "qwen2_5_vl":
         cfg_cls, model_cls, attn_cls = (
             Qwen2_5_VLVisionConfig,

@@ -11,6 +11,7 @@ import torch
 
 from cache import EmbeddingKey
 from encoder.models import build_vision_tower
+from encoder.models.linear import pack_linears
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
@@ -57,6 +58,9 @@ class ModelRunner:
         self.model.load_weights(model_dir)
         self.model.eval()
         self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)
+        packed = pack_linears(self.model) + pack_linears(self.vision)
+        if packed:
+            log.info("%d linear layers with weights packed for oneDNN", packed)
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
         self.num_blocks = self._size_kv_pool(config, max_model_len)

@@ -39,10 +39,13 @@ class WorkerDied(RuntimeError):
 def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The vision tower + merger the engine's ModelRunner builds, alone."""
     from encoder.models import build_vision_tower
+    from encoder.models.linear import pack_linears
     from lm_engine.models.registry import load_model_config
 
     cfg = load_model_config(Path(model_dir))
-    return build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=device).eval()
+    tower = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=device).eval()
+    pack_linears(tower)
+    return tower
 
 
 def _hook(n: int) -> None:

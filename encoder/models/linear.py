@@ -1,0 +1,118 @@
+"""Linear layers whose weight oneDNN reorders once, not on every call (CPU, bfloat16).
+
+torch's bfloat16 ``F.linear`` on a CPU hands oneDNN the weight in its plain layout, and oneDNN copies it into
+its blocked layout inside every call: one more pass over the whole weight per call, which is most of a
+decode step's matmul (a few rows against every weight). :class:`PackedLinear` holds the weight already
+reordered (``torch.ops.mkldnn._reorder_linear_weight``, what torch's own compiler does for frozen CPU models)
+and calls oneDNN's linear with the bias fused. Where oneDNN runs bfloat16 natively (AVX512-BF16, AMX), plain
+and packed calls run the same kernels: the results are equal bit for bit (tested), only the copy is gone.
+
+Measured on an AMD EPYC with AVX512-BF16, 2 threads, the small preset's decoder shapes (768 → 1024, 768,
+4096, 8192; 2048 → 768): 8 rows 1.9× faster in all, 64 rows 1.3×, 512 and 2,048 rows 1.05× and 1.09×.
+
+:func:`pack_linears` swaps a module's ``nn.Linear`` children for them where that applies (CPU, bfloat16,
+oneDNN's native bf16, not switched off by ``VLMSERVE_PACKED_LINEAR=0``, and a one-time timing on this machine
+finding the packed call faster). A packed module's ``state_dict`` still holds the plain weight (read back
+from the packed one), so an embedding's fingerprint does not depend on the packing; its parameters do not
+(load weights before packing).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from preprocess.native import switched_off
+
+log = logging.getLogger("vlmserve.linear")
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward with the weight in oneDNN's blocked layout (bias fused into the call)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # NOTE: plain attributes, not parameters or buffers: .to() and load_state_dict cannot handle the
+        # opaque oneDNN tensor, and the module is built after the weights are in (see the module doc).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.packed.to_dense()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 natively here (then ``F.linear`` and a packed call use the same kernels);
+    elsewhere torch's bfloat16 matmul is its own fallback, and packing would change the results."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+def packing_applies(weight: torch.Tensor) -> bool:
+    """Whether :func:`pack_linears` packs linear layers with this weight on this machine."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and not switched_off("VLMSERVE_PACKED_LINEAR")
+        and native_bf16()
+        and packed_is_faster()
+    )
+
+
+@functools.cache
+def packed_is_faster(rows: int = 32, width: int = 1024, rounds: int = 5) -> bool:
+    """A packed bfloat16 linear against ``F.linear`` on ``rows`` × ``width`` → ``width``, timed once per process
+    (best of ``rounds``, alternating; well under a millisecond a call where bfloat16 is native)."""
+    x = torch.randn(rows, width).to(torch.bfloat16)
+    linear = nn.Linear(width, width).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    calls = {"plain": lambda: F.linear(x, linear.weight, linear.bias), "packed": lambda: packed(x)}
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        for _ in range(rounds):
+            for name, call in calls.items():
+                start = time.perf_counter()
+                call()
+                best[name] = min(best[name], time.perf_counter() - start)
+    log.info(
+        "bfloat16 linear, %d rows: plain %.0f us, packed %.0f us",
+        rows,
+        best["plain"] * 1e6,
+        best["packed"] * 1e6,
+    )
+    return best["packed"] < best["plain"]
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Swap every ``nn.Linear`` under ``module`` for a :class:`PackedLinear` where :func:`packing_applies`;
+    returns how many were swapped (0: none, the module is unchanged)."""
+    found = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and packing_applies(child.weight)
+    ]
+    for parent, name, child in found:
+        setattr(parent, name, PackedLinear(child))
+    return len(found)
