@@ -38,6 +38,10 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     act.restype = ctypes.c_int
     # x, bias, rows, cols, dtype, threads
     act.argtypes = [_PTR, _PTR] + [_I64] * 4
+    causal = lib.vlm_causal_attention
+    causal.restype = ctypes.c_int
+    # q, k, v, out, lq, lk, heads, kv_heads, head_dim, q/k/v/out row strides, scale, threads
+    causal.argtypes = [_PTR] * 4 + [_I64] * 9 + [ctypes.c_float, _I64]
     return lib
 
 
@@ -90,6 +94,67 @@ def varlen_attention(
     )
     if rc != 0:
         raise RuntimeError(f"varlen attention kernel failed (code {rc})")
+    return out
+
+
+def causal_supported(lib: ctypes.CDLL | None, q: torch.Tensor) -> bool:
+    """Whether :func:`causal_attention` takes these queries ([Lq, H, D]): bfloat16 on the CPU, where the library
+    was built with the bf16 dot products (elsewhere torch's attention is as fast)."""
+    return (
+        lib is not None
+        and q.dtype == torch.bfloat16
+        and q.device.type == "cpu"
+        and supports(q.dtype, q.shape[-1])
+        and isa(lib) == "avx512-bf16"
+    )
+
+
+def causal_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """A decoder's prefill chunk: ``q`` [Lq, H, D] ends the ``k``/``v`` [Lk, KVH, D] context (row i sees keys up
+    to Lk - Lq + i); grouped-query heads (H a multiple of KVH). Returns [Lq, H, D], bfloat16 (see
+    :func:`causal_supported`)."""
+    (lq, heads, d), (lk, kv_heads, dk) = q.shape, k.shape
+    if (
+        not causal_supported(lib, q)
+        or k.shape != v.shape
+        or dk != d
+        or k.dtype != q.dtype
+        or v.dtype != q.dtype
+    ):
+        raise ValueError(
+            f"causal attention kernel: unsupported q {tuple(q.shape)} {q.dtype}, k/v {tuple(k.shape)}"
+        )
+    if lk < lq or heads % kv_heads:
+        raise ValueError(f"causal attention: {lq} queries, {lk} keys, {heads} heads over {kv_heads} kv heads")
+    # rows may be strided (views of a fused projection); the heads of a row must be packed
+    q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
+    out = q.new_empty(lq, heads, d)
+    rc = lib.vlm_causal_attention(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        out.data_ptr(),
+        lq,
+        lk,
+        heads,
+        kv_heads,
+        d,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        out.stride(0),
+        scale,
+        max(1, int(num_threads or torch.get_num_threads())),
+    )
+    if rc != 0:
+        raise RuntimeError(f"causal attention kernel failed (code {rc})")
     return out
 
 

@@ -81,15 +81,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Causal attention of a chunk of ``q_len`` queries that end the ``context_len``-token context."""
         q_len = q.shape[0]
-        if context_len == q_len:
-            keys, values = k, v  # nothing earlier: attend to the chunk itself, no gather
-        else:
-            block_size = k_cache.shape[1]
-            n_blocks = (context_len + block_size - 1) // block_size
-            blocks = block_table[:n_blocks].long()
-            # NOTE: index_select, not k_cache[blocks]: advanced indexing is up to 50× slower on the CPU.
-            keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
-            values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+        keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         kh = keys.transpose(0, 1).unsqueeze(0)
         vh = values.transpose(0, 1).unsqueeze(0)
@@ -134,3 +126,24 @@ class AttentionBackend(ABC):
             sl = slice(start, start + q_len)
             out[sl] = self.prefill(q[sl], k[sl], v[sl], k_cache, v_cache, table, context_len, scale)
         return out
+
+
+def context_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ([context_len, KVH, D]) a prefill chunk (``k``, ``v``: its own, already cached) attends
+    to: the chunk's own when nothing precedes it, else the context's blocks gathered from the paged cache."""
+    if context_len == k.shape[0]:
+        return k, v  # nothing earlier: no gather
+    block_size = k_cache.shape[1]
+    n_blocks = (context_len + block_size - 1) // block_size
+    blocks = block_table[:n_blocks].long()
+    # NOTE: index_select, not k_cache[blocks]: advanced indexing is up to 50× slower on the CPU.
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:context_len]
+    return keys, values

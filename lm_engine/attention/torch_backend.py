@@ -1,12 +1,14 @@
 """Attention in plain torch (the reference every kernel is tested against) and the CPU backend, whose
-decode runs the compiled kernel of ``cpu_kernels`` where it applies."""
+decode runs the compiled kernel of ``cpu_kernels`` and whose bfloat16 prefill runs the vision attention
+library's causal kernel, where they apply."""
 
 from __future__ import annotations
 
 import torch
 
+from encoder.attention import cpu_kernel as vision_kernel
 from lm_engine.attention import cpu_kernels
-from lm_engine.attention.base import AttentionBackend
+from lm_engine.attention.base import AttentionBackend, context_kv
 
 
 def write_kv(
@@ -83,12 +85,24 @@ class CpuBackend(TorchBackend):
 
     NOTE: 50 sequences with 100–1400-token contexts (the small preset's shapes, 2 AVX2 cores): 60.8 ms per
     layer for gather + SDPA, 8.5 ms for the kernel (``benchmarks/attention_kernels.py --cpu``).
+
+    Prefill chunks in bfloat16 run the vision attention library's causal kernel where it was built with
+    AVX512-BF16 dot products (``encoder.attention.cpu_kernel.causal_attention``): torch's CPU flash attention
+    does not use them. NOTE: 12 heads over 2 kv heads × 64, 2 threads, AVX512-BF16 EPYC: 1,024-token chunk
+    31.6 ms against 10.1 ms, 2,048: 105 against 38, 512 after 1,024 cached: 36.5 against 12.1.
     """
 
     name = "cpu"
 
     def __init__(self, lib) -> None:
         self.lib = lib
+        self.prefill_lib = vision_kernel.load()
+
+    def prefill(self, q, k, v, k_cache, v_cache, block_table, context_len, scale) -> torch.Tensor:
+        if not vision_kernel.causal_supported(self.prefill_lib, q):
+            return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
+        keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
+        return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale)
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         if not cpu_kernels.supports(q, k_cache):

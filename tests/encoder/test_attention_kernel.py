@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from encoder.attention import KernelAttention, Segments, TorchAttention, choose_attention, cpu_kernel
 
@@ -109,3 +110,87 @@ def test_bias_quick_gelu_matches_torch(dtype):
     torch.testing.assert_close(
         same.float(), (x.float() * torch.sigmoid(1.702 * x.float())), atol=1e-2, rtol=8e-3
     )
+
+
+# --------------------------------------------------------------- the decoder's causal prefill (bf16 only)
+
+CAUSAL = cpu_kernel.causal_supported(LIB, torch.empty(1, 1, 64, dtype=torch.bfloat16))
+needs_causal = pytest.mark.skipif(
+    not CAUSAL, reason="the kernel has no AVX512-BF16 build here (test_causal_refuses_without_bf16_dots)"
+)
+
+
+def causal_reference(q, k, v, scale):
+    """Float32 SDPA on the same bf16 inputs: query row i sees keys up to len(k) - len(q) + i."""
+    lq, lk = q.shape[0], k.shape[0]
+    visible = torch.arange(lk).unsqueeze(0) <= torch.arange(lq).unsqueeze(1) + (lk - lq)
+    qh, kh, vh = (t.float().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+# (queries, keys, heads, kv heads, head dim): whole prompts, chunks after a cached prefix, around the 16-row
+# tiles and 64-key blocks; grouped-query heads 1, 2, 6 to a kv head
+CAUSAL_CASES = [
+    (1, 1, 2, 1, 64),
+    (5, 5, 4, 2, 16),
+    (64, 64, 2, 2, 64),
+    (65, 65, 12, 2, 64),
+    (300, 300, 6, 1, 128),
+    (17, 100, 12, 2, 64),
+    (65, 200, 4, 1, 128),
+    (130, 1000, 6, 3, 80),
+]
+
+
+@needs_causal
+@pytest.mark.parametrize("lq,lk,heads,kv_heads,d", CAUSAL_CASES, ids=str)
+def test_causal_is_as_close_to_float32_as_torch_bf16(lq, lk, heads, kv_heads, d):
+    gen = torch.Generator().manual_seed(lq * 7 + lk)
+    # q as the decoder hands it: a view of a fused projection, rows strided
+    fused = (torch.randn(lq, heads + 2, d, generator=gen) * 3).to(torch.bfloat16)
+    q = fused[:, :heads]
+    k = torch.randn(lk, kv_heads, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(lk, kv_heads, d, generator=gen).to(torch.bfloat16)
+    scale = d**-0.5
+    exact = causal_reference(q, k, v, scale)
+    visible = torch.arange(lk).unsqueeze(0) <= torch.arange(lq).unsqueeze(1) + (lk - lq)
+    torch_bf16 = (
+        F.scaled_dot_product_attention(
+            *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+            attn_mask=visible,
+            scale=scale,
+            enable_gqa=True,
+        )
+        .squeeze(0)
+        .transpose(0, 1)
+    )
+    got = cpu_kernel.causal_attention(LIB, q, k, v, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == (lq, heads, d)
+    ours = (got.float() - exact).abs()
+    theirs = (torch_bf16.float() - exact).abs()
+    assert ours.max() <= theirs.max() + 1e-3, (ours.max(), theirs.max())
+    assert ours.mean() <= 1.1 * theirs.mean(), (ours.mean(), theirs.mean())
+
+
+@needs_causal
+def test_causal_threads_do_not_change_the_result():
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (
+        torch.randn(n, h, 64, generator=gen).to(torch.bfloat16) for n, h in ((200, 12), (700, 2), (700, 2))
+    )
+    outs = [cpu_kernel.causal_attention(LIB, q, k, v, 0.125, num_threads=t) for t in (1, 2, 3)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_causal_refuses_without_bf16_dots():
+    """Where the library has no AVX512-BF16 build (or the input is not bf16) the backend keeps torch's prefill."""
+    q = torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    assert not cpu_kernel.causal_supported(LIB, q.float())
+    v3 = cpu_kernel.load("x86-64-v3")
+    if v3 is not None:
+        assert not cpu_kernel.causal_supported(v3, q)
+        assert v3.vlm_causal_attention(*[None] * 4, 4, 4, 2, 2, 64, 128, 128, 128, 128, 0.1, 1) == -6
+    if CAUSAL:
+        with pytest.raises(ValueError, match="queries"):
+            cpu_kernel.causal_attention(LIB, q, q[:2], q[:2], 0.1)  # more queries than keys

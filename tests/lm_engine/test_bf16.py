@@ -90,3 +90,27 @@ def test_first_token_agrees_with_transformers_bf16_on_long_prompts(bf16_engine, 
     assert [int(o.argmax()) for o in ours] == ours_batched  # batched and alone agree
     assert agree >= floor_agree
     assert err <= floor_err
+
+
+def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatch):
+    """The first-token test above checks the numbers; this checks which code made them: where the vision
+    attention library has bf16 dot products, every prefill chunk (whole prompts and chunks after a cached
+    prefix) goes through its causal kernel, elsewhere through torch's attention."""
+    from encoder.attention import cpu_kernel
+    from lm_engine.attention import torch_backend
+
+    backend = bf16_engine.engine.runner.backend
+    calls: list[tuple[int, int]] = []
+    real = cpu_kernel.causal_attention
+
+    def spy(lib, q, k, v, scale, num_threads=None):
+        calls.append((q.shape[0], k.shape[0]))
+        return real(lib, q, k, v, scale, num_threads)
+
+    monkeypatch.setattr(torch_backend.vision_kernel, "causal_attention", spy)
+    bf16_engine.chat(long_prompts()[-1:], SamplingParams(temperature=0, max_tokens=2))
+    probe = torch.empty(1, 1, 16, dtype=torch.bfloat16)
+    if backend.name == "cpu" and cpu_kernel.causal_supported(backend.prefill_lib, probe):
+        assert len(calls) >= 2 and any(lk > lq for lq, lk in calls), calls  # chunked: a cached prefix too
+    else:
+        assert calls == []

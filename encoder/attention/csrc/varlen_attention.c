@@ -340,9 +340,14 @@ static inline __m512 exp2_p(__m512 x) {
 
 /* The online softmax of one tile over one block of `kv` keys (S: raw scores; keys past kv are not read): the
  * running max m (in scale2 units) and sum l of the 16 rows moved on, P the block's probabilities rounded to
- * bfloat16 in key pairs [KB/2][16 rows][2] (as flash attention rounds P); returns the rows' correction. */
-static inline __m512 softmax_tile(const __m512 *S, int64_t kv, float scale2, __m512 *m, __m512 *l, __m512i *P) {
+ * bfloat16 in key pairs [KB/2][16 rows][2] (as flash attention rounds P); returns the rows' correction.
+ * `valid` (or NULL: all): per key, the rows (lanes) that may see it; every row must see some key of the
+ * first block it is given (its running max is then finite from there on). */
+static inline __m512 softmax_tile(__m512 *S, int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l,
+                                  __m512i *P) {
     const __m512 sc = _mm512_set1_ps(scale2), zero = _mm512_setzero_ps();
+    if (valid)
+        for (int64_t i = 0; i < kv; i++) S[i] = _mm512_mask_blend_ps(valid[i], _mm512_set1_ps(-INFINITY), S[i]);
     __m512 mx4[4] = {S[0], S[0], S[0], S[0]}; /* four chains: one would be 63 dependent maxes a block */
     for (int64_t i = 1; i < kv; i++) mx4[i % 4] = _mm512_max_ps(mx4[i % 4], S[i]);
     const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
@@ -353,8 +358,12 @@ static inline __m512 softmax_tile(const __m512 *S, int64_t kv, float scale2, __m
                                            6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum = zero;
     for (int64_t i = 0; i < kv; i += 2) {
-        const __m512 p0 = exp2_p(_mm512_fmsub_ps(S[i], sc, mnew));
-        const __m512 p1 = i + 1 < kv ? exp2_p(_mm512_fmsub_ps(S[i + 1], sc, mnew)) : zero;
+        __m512 p0 = exp2_p(_mm512_fmsub_ps(S[i], sc, mnew));
+        __m512 p1 = i + 1 < kv ? exp2_p(_mm512_fmsub_ps(S[i + 1], sc, mnew)) : zero;
+        if (valid) { /* exp2_p(-inf) is NaN: masked scores get 0 here */
+            p0 = _mm512_maskz_mov_ps(valid[i], p0);
+            p1 = i + 1 < kv ? _mm512_maskz_mov_ps(valid[i + 1], p1) : zero;
+        }
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
         P[i / 2] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
@@ -379,7 +388,7 @@ static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, in
         for (int64_t t = 0; t < tiles; t++) {
             const uint16_t *qt = qp + (base + r0 + t * TR) * d;
             for (int64_t k1 = 0; k1 < kv; k1 += 16) qk_tile(qt, kb + k1 * d, d, S + k1);
-            const __m512 corr = softmax_tile(S, kv, j->scale2, m + t, l + t, P);
+            const __m512 corr = softmax_tile(S, kv, NULL, j->scale2, m + t, l + t, P);
             for (int64_t d0 = 0; d0 < d; d0 += 16) pv_tile(P, (kv + 1) / 2, vb, d, d0, Ot + t * d * TR, corr);
         }
     }
@@ -553,82 +562,104 @@ static void work(job_t *j) {
 }
 
 /* A persistent pool: threads are created once and sleep on a condition variable between calls (no
- * spinning, so they take nothing from torch's own threads in between). One call at a time uses it. */
-static struct {
+ * spinning, so they take nothing from torch's own threads in between). One call at a time uses a pool; there
+ * are two, so that the decoder's prefill (an engine step) never waits for a vision tower's call on another
+ * thread, nor the reverse. */
+typedef struct {
     pthread_mutex_t call, lock;
     pthread_cond_t start, done;
     int64_t threads, active;
     uint64_t generation;
     job_t *job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL};
+} pool_t;
+
+#define POOL_INIT                                                                                              \
+    {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,    \
+     0, 0, 0, NULL}
+enum { VISION_POOL, PREFILL_POOL, POOLS };
+static pool_t pools[POOLS] = {POOL_INIT, POOL_INIT};
+
+typedef struct {
+    pool_t *pool;
+    uint64_t seen;
+} pool_arg_t;
 
 static void *pool_thread(void *arg) {
-    uint64_t seen = (uint64_t)(uintptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
+    pool_t *pool = ((pool_arg_t *)arg)->pool;
+    uint64_t seen = ((pool_arg_t *)arg)->seen;
+    free(arg);
+    pthread_mutex_lock(&pool->lock);
     for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
-        seen = pool.generation;
-        job_t *j = pool.job;
-        pthread_mutex_unlock(&pool.lock);
+        while (pool->generation == seen) pthread_cond_wait(&pool->start, &pool->lock);
+        seen = pool->generation;
+        job_t *j = pool->job;
+        pthread_mutex_unlock(&pool->lock);
         if (j) work(j);
-        pthread_mutex_lock(&pool.lock);
-        if (--pool.active == 0) pthread_cond_signal(&pool.done);
+        pthread_mutex_lock(&pool->lock);
+        if (--pool->active == 0) pthread_cond_signal(&pool->done);
     }
     return NULL;
 }
 
-/* After fork() only the calling thread exists: the child starts with an empty pool. */
+/* After fork() only the calling thread exists: the child starts with empty pools. */
 static void pool_after_fork(void) {
-    pthread_mutex_init(&pool.call, NULL);
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.start, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.threads = pool.active = 0;
-    pool.job = NULL;
+    for (int i = 0; i < POOLS; i++) {
+        pool_t *pool = &pools[i];
+        pthread_mutex_init(&pool->call, NULL);
+        pthread_mutex_init(&pool->lock, NULL);
+        pthread_cond_init(&pool->start, NULL);
+        pthread_cond_init(&pool->done, NULL);
+        pool->threads = pool->active = 0;
+        pool->job = NULL;
+    }
 }
 
-static void pool_grow(int64_t want) {
-    static int registered = 0;
-    if (!registered) {
-        pthread_atfork(NULL, NULL, pool_after_fork);
-        registered = 1;
-    }
-    while (pool.threads < want) {
+static void register_after_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+static void pool_grow(pool_t *pool, int64_t want) {
+    static pthread_once_t registered = PTHREAD_ONCE_INIT;
+    pthread_once(&registered, register_after_fork);
+    while (pool->threads < want) {
+        pool_arg_t *arg = malloc(sizeof *arg);
+        if (!arg) break;
+        pthread_mutex_lock(&pool->lock);
+        *arg = (pool_arg_t){pool, pool->generation};
+        pthread_mutex_unlock(&pool->lock);
         pthread_t t;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_mutex_lock(&pool.lock);
-        const uint64_t gen = pool.generation;
-        pthread_mutex_unlock(&pool.lock);
-        const int rc = pthread_create(&t, &attr, pool_thread, (void *)(uintptr_t)gen);
+        const int rc = pthread_create(&t, &attr, pool_thread, arg);
         pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        pool.threads++;
+        if (rc != 0) {
+            free(arg);
+            break;
+        }
+        pool->threads++;
     }
 }
 
-/* Runs every unit of j on the caller and up to threads - 1 pool threads; the caller holds pool.call. */
-static void dispatch(job_t *j, int64_t threads) {
+/* Runs every unit of j on the caller and up to threads - 1 of the pool's threads; the caller holds
+ * pool->call. */
+static void dispatch(pool_t *pool, job_t *j, int64_t threads) {
     atomic_store(&j->next, 0);
     if (threads > j->units) threads = j->units;
     if (threads <= 1) {
         work(j);
         return;
     }
-    pool_grow(threads - 1);
-    pthread_mutex_lock(&pool.lock);
-    pool.job = j;
-    pool.active = pool.threads;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.start);
-    pthread_mutex_unlock(&pool.lock);
+    pool_grow(pool, threads - 1);
+    pthread_mutex_lock(&pool->lock);
+    pool->job = j;
+    pool->active = pool->threads;
+    pool->generation++;
+    pthread_cond_broadcast(&pool->start);
+    pthread_mutex_unlock(&pool->lock);
     work(j); /* the caller works too; pool threads beyond threads - 1 find no units left */
-    pthread_mutex_lock(&pool.lock);
-    while (pool.active > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pool.job = NULL;
-    pthread_mutex_unlock(&pool.lock);
+    pthread_mutex_lock(&pool->lock);
+    while (pool->active > 0) pthread_cond_wait(&pool->done, &pool->lock);
+    pool->job = NULL;
+    pthread_mutex_unlock(&pool->lock);
 }
 
 /* ---------------------------------------------------------------- the MLP's bias + activation */
@@ -681,10 +712,144 @@ int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, i
     j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
     j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
     j.base.unit = quick_gelu_unit;
-    pthread_mutex_lock(&pool.call);
-    dispatch(&j.base, threads);
-    pthread_mutex_unlock(&pool.call);
+    pool_t *pool = &pools[VISION_POOL];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &j.base, threads);
+    pthread_mutex_unlock(&pool->call);
     return 0;
+}
+
+/* ---------------------------------------------------------------- causal attention: a decoder's prefill */
+
+/* A chunk of lq query rows that ends an lk-token context (query row r sits at position lk - lq + r and sees keys
+ * 0 … lk - lq + r), grouped-query heads (query head h reads kv head h / (heads / kv_heads)), bfloat16 in and out,
+ * products as bf16 dot products over 16 query rows in lanes as in attend_unit_dot. No rotary: the decoder
+ * applies its own before the keys are cached. Rows are given with their own strides (elements), heads packed
+ * in each row. Built where the compiler targets AVX512-BF16; elsewhere the entry point refuses (-6) and the
+ * caller keeps torch's attention. */
+#if HAVE_BF16DOT
+typedef struct {
+    job_t base; /* units / next / unit, and d, heads, scale2 */
+    const uint16_t *q, *k, *v;
+    uint16_t *out;
+    int64_t qs, ks, vs, os; /* row strides */
+    int64_t lq, lk, kv_heads, group;
+    int64_t pq, pk, qchunks, kchunks; /* rows padded to 64, and 64-row chunks */
+    uint16_t *qp, *kp, *vp;           /* q [heads][pq rows] and k [kv_heads][pk rows] in 16-row tiles, v in key pairs */
+} causal_job_t;
+
+static inline void put_tile(uint16_t *tiles, int64_t row, int64_t d, const uint16_t *x) {
+    uint16_t *dst = tiles + (row / 16 * 16) * d + (row % 16) * 2;
+    for (int64_t e = 0; e < d; e += 2) memcpy(dst + e * 16, x + e, 4);
+}
+
+/* Units [0, qchunks): 64 query rows, every head; then 64 key rows, every kv head. Rows past the end are zeros. */
+static void causal_pack_unit(job_t *jb, int64_t u) {
+    causal_job_t *j = (causal_job_t *)jb;
+    const int64_t d = jb->d;
+    static const uint16_t zeros[MAX_D];
+    if (u < j->qchunks) {
+        for (int64_t r = u * QB; r < (u + 1) * QB; r++)
+            for (int64_t h = 0; h < jb->heads; h++)
+                put_tile(j->qp + h * j->pq * d, r, d, r < j->lq ? j->q + r * j->qs + h * d : zeros);
+        return;
+    }
+    u -= j->qchunks;
+    for (int64_t r = u * QB; r < (u + 1) * QB; r++)
+        for (int64_t g = 0; g < j->kv_heads; g++) {
+            put_tile(j->kp + g * j->pk * d, r, d, r < j->lk ? j->k + r * j->ks + g * d : zeros);
+            const uint16_t *v = r < j->lk ? j->v + r * j->vs + g * d : zeros;
+            uint16_t *dst = j->vp + (g * j->pk + r / 2 * 2) * d + r % 2;
+            for (int64_t e = 0; e < d; e++) dst[e * 2] = v[e];
+        }
+}
+
+/* Unit u: one head's 64 query rows, the chunks with the most keys first (units are taken in order). */
+static void causal_unit(job_t *jb, int64_t u) {
+    const causal_job_t *j = (const causal_job_t *)jb;
+    const int64_t d = jb->d, heads = jb->heads;
+    const int64_t c = j->qchunks - 1 - u / heads, h = u % heads, g = h / j->group;
+    const int64_t r0 = c * QB, rows = j->lq - r0 < QB ? j->lq - r0 : QB, tiles = (rows + TR - 1) / TR;
+    const int64_t pos0 = j->lk - j->lq + r0; /* position of the unit's first row */
+    float Ot[(QB / TR) * MAX_D * TR] __attribute__((aligned(64)));
+    __m512 S[KB], m[QB / TR], l[QB / TR];
+    __m512i P[KB / 2];
+    __mmask16 valid[KB];
+    memset(Ot, 0, sizeof(float) * (size_t)(tiles * d * TR));
+    for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
+    const uint16_t *kt = j->kp + g * j->pk * d, *vt = j->vp + g * j->pk * d;
+    const int64_t kend = pos0 + rows; /* keys the unit's last row sees */
+    for (int64_t k0 = 0; k0 < kend; k0 += KB) {
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t first = pos0 + t * TR, tile_rows = rows - t * TR < TR ? rows - t * TR : TR;
+            const int64_t last = first + tile_rows - 1;
+            if (k0 > last) continue; /* every key of the block is after every row of the tile */
+            const int64_t kv = last + 1 - k0 < KB ? last + 1 - k0 : KB;
+            const uint16_t *qt = j->qp + (h * j->pq + r0 + t * TR) * d;
+            for (int64_t k1 = 0; k1 < kv; k1 += 16) qk_tile(qt, kt + (k0 + k1) * d, d, S + k1);
+            const int diagonal = k0 + kv - 1 > first;
+            if (diagonal)
+                for (int64_t i = 0; i < kv; i++) { /* lanes r with first + r >= k0 + i */
+                    const int64_t skip = k0 + i - first;
+                    valid[i] = skip <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << skip);
+                }
+            const __m512 corr = softmax_tile(S, kv, diagonal ? valid : NULL, jb->scale2, m + t, l + t, P);
+            for (int64_t d0 = 0; d0 < d; d0 += 16)
+                pv_tile(P, (kv + 1) / 2, vt + k0 * d, d, d0, Ot + t * d * TR, corr);
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        float lt[TR];
+        _mm512_storeu_ps(lt, l[t]);
+        for (int64_t r = 0; r < TR && t * TR + r < rows; r++) {
+            const float inv = 1.0f / lt[r];
+            uint16_t *o = j->out + (r0 + t * TR + r) * j->os + h * d;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(Ot[(t * d + e) * TR + r] * inv);
+        }
+    }
+}
+
+#endif
+
+int vlm_causal_attention(const void *q, const void *k, const void *v, void *out, int64_t lq, int64_t lk,
+                         int64_t heads, int64_t kv_heads, int64_t d, int64_t q_stride, int64_t k_stride,
+                         int64_t v_stride, int64_t out_stride, float scale, int64_t threads) {
+    if (d <= 0 || d % 16 || d > MAX_D) return -1;
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || lq < 0 || lk < lq) return -3;
+#if !HAVE_BF16DOT
+    (void)q, (void)k, (void)v, (void)out, (void)q_stride, (void)k_stride, (void)v_stride, (void)out_stride;
+    (void)scale, (void)threads;
+    return -6;
+#else
+    if (lq == 0) return 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    causal_job_t j;
+    memset(&j, 0, sizeof j);
+    j.base.d = d, j.base.heads = heads, j.base.scale2 = scale * 1.4426950408889634f;
+    j.q = q, j.k = k, j.v = v, j.out = out;
+    j.qs = q_stride, j.ks = k_stride, j.vs = v_stride, j.os = out_stride;
+    j.lq = lq, j.lk = lk, j.kv_heads = kv_heads, j.group = heads / kv_heads;
+    j.qchunks = (lq + QB - 1) / QB, j.kchunks = (lk + QB - 1) / QB;
+    j.pq = j.qchunks * QB, j.pk = j.kchunks * QB;
+    const size_t qbytes = (size_t)(heads * j.pq * d) * 2, kbytes = (size_t)(kv_heads * j.pk * d) * 2;
+    j.qp = aligned_alloc(64, qbytes), j.kp = aligned_alloc(64, kbytes), j.vp = aligned_alloc(64, kbytes);
+    int rc = j.qp && j.kp && j.vp ? 0 : -4;
+    if (rc == 0) {
+        pool_t *pool = &pools[PREFILL_POOL];
+        pthread_mutex_lock(&pool->call);
+        j.base.units = j.qchunks + j.kchunks;
+        j.base.unit = causal_pack_unit;
+        dispatch(pool, &j.base, threads);
+        j.base.units = j.qchunks * heads;
+        j.base.unit = causal_unit;
+        dispatch(pool, &j.base, threads);
+        pthread_mutex_unlock(&pool->call);
+    }
+    free(j.qp);
+    free(j.kp);
+    free(j.vp);
+    return rc;
+#endif
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -722,14 +887,15 @@ int vlm_varlen_attention(const void *qkv, const float *cos, const float *sin, co
                scale * 1.4426950408889634f, NULL, NULL, NULL, NULL, NULL, NULL, 0, 0};
     int rc = plan(&j, n);
     if (rc == 0) {
-        pthread_mutex_lock(&pool.call);
+        pool_t *pool = &pools[VISION_POOL];
+        pthread_mutex_lock(&pool->call);
         j.units = j.chunk[segs];
         j.unit = pack_unit;
-        dispatch(&j, threads);
+        dispatch(pool, &j, threads);
         j.units = j.chunk[segs] * heads;
         j.unit = attend_unit;
-        dispatch(&j, threads);
-        pthread_mutex_unlock(&pool.call);
+        dispatch(pool, &j, threads);
+        pthread_mutex_unlock(&pool->call);
     }
     free(j.qp);
     free(j.kp);
