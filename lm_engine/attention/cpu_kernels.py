@@ -1,4 +1,5 @@
-"""The compiled CPU paged decode attention kernel (``csrc/paged_decode.c``), loaded with ctypes.
+"""The compiled CPU paged decode attention kernel (``csrc/paged_decode.c``: float32 and bfloat16), loaded with
+ctypes.
 
 Built on first use by :mod:`preprocess.native` (the system C compiler, cached on disk); without a
 compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the engine keeps the
@@ -26,10 +27,10 @@ def load() -> ctypes.CDLL | None:
     lib = load_library(_SOURCE)
     if lib is None:
         return None
-    fn = lib.vlm_paged_decode_f32
-    fn.restype = ctypes.c_int
-    # q, k_cache, v_cache, tables, table_stride, lens, out, seqs, heads, kv_heads, head_dim, block, scale, threads
-    fn.argtypes = [_PTR] * 4 + [_I64, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, _I64]
+    for fn in (lib.vlm_paged_decode_f32, lib.vlm_paged_decode_bf16):
+        fn.restype = ctypes.c_int
+        # q, k_cache, v_cache, tables, table_stride, lens, out, seqs, heads, kv_heads, head_dim, block, scale, threads
+        fn.argtypes = [_PTR] * 4 + [_I64, _PTR, _PTR] + [_I64] * 5 + [ctypes.c_float, _I64]
     return lib
 
 
@@ -45,8 +46,8 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     kvh = k_cache.shape[2]
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype
         and h % kvh == 0
         and h // kvh <= MAX_GROUP
         and d % 8 == 0
@@ -85,7 +86,8 @@ def paged_decode(
     work = max_context * s * kvh  # an upper bound of the tokens × KV heads read
     if num_threads is None:
         num_threads = torch.get_num_threads() if work >= _PARALLEL_MIN_WORK else 1
-    rc = lib.vlm_paged_decode_f32(
+    decode = lib.vlm_paged_decode_bf16 if q.dtype == torch.bfloat16 else lib.vlm_paged_decode_f32
+    rc = decode(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -79,9 +79,9 @@ class TorchBackend(AttentionBackend):
 
 
 class CpuBackend(TorchBackend):
-    """The torch backend with decode in the compiled CPU kernel (float32), which reads each sequence's
-    blocks in place: no gather, no padding to the longest context. Other dtypes and shapes outside the
-    kernel's limits fall back to :func:`paged_decode`.
+    """The torch backend with decode in the compiled CPU kernel (float32 and bfloat16, computed in float32),
+    which reads each sequence's blocks in place: no gather, no padding to the longest context. Other dtypes
+    and shapes outside the kernel's limits fall back to :func:`paged_decode`.
 
     NOTE: 50 sequences with 100–1400-token contexts (the small preset's shapes, 2 AVX2 cores): 60.8 ms per
     layer for gather + SDPA, 8.5 ms for the kernel (``benchmarks/attention_kernels.py --cpu``).

@@ -72,9 +72,26 @@ def test_large_scores_do_not_overflow():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lens,h,kvh,d,bs", SHAPES)
+def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lens, h, kvh, d, bs):
+    """bf16 caches and query, widened to float32 in the kernel: its error against float32 attention on the
+    same (bf16) values stays within what torch's bf16 gather + SDPA makes (mostly the output's rounding)."""
+    q, k, v, tables, ctx = _case(len(lens) * 17 + d, lens, h, kvh, d, bs, dtype=torch.bfloat16)
+    scale = d**-0.5
+    exact = paged_decode(q.float(), k.float(), v.float(), tables, ctx, scale)
+    theirs = (paged_decode(q, k, v, tables, ctx, scale).float() - exact).abs()
+    got = cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
+    assert got.dtype == torch.bfloat16
+    ours = (got.float() - exact).abs()
+    assert ours.max() <= theirs.max() + 1e-3 and ours.mean() <= 1.1 * theirs.mean(), (
+        ours.max(),
+        theirs.max(),
+    )
+
+
 def test_backend_falls_back_outside_the_kernel():
     backend = CpuBackend(LIB)
-    for dtype, d in ((torch.bfloat16, 64), (torch.float32, 12)):  # not float32; head_dim % 8 != 0
+    for dtype, d in ((torch.float16, 64), (torch.float32, 12)):  # not float32/bf16; head_dim % 8 != 0
         q, k, v, tables, ctx = _case(7, [20, 70], 4, 2, d, 16, dtype=dtype)
         assert not cpu_kernels.supports(q, k)
         got = backend.decode(q, k, v, tables, ctx, 0.3, 70)

@@ -1,4 +1,6 @@
-/* Paged decode attention for the CPU, float32: one query token per sequence against its paged KV.
+/* Paged decode attention for the CPU: one query token per sequence against its paged KV, float32 or
+ * bfloat16 (q, caches and out in the same dtype; bf16 rows are widened to float32 a block at a time into a
+ * scratch buffer, so the arithmetic is float32 either way and the cache is read once, in place).
  *
  * Layout (all contiguous): q and out [S, H, D]; k_cache and v_cache [num_blocks, block_size, KVH, D];
  * block_tables [S, table_stride] int32; context_lens [S] int32. KV head j serves query heads
@@ -23,11 +25,12 @@
 #define MAX_THREADS 64
 
 typedef struct {
-    const float *q, *k, *v;
+    const void *q, *k, *v;
     const int32_t *tables, *lens;
-    float *out;
+    void *out;
     int64_t table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
+    int64_t bf16;
     atomic_long next;
 } job_t;
 
@@ -122,13 +125,38 @@ static inline void qk_scores(float *scores, const v8 *q, const float *k, int64_t
     }
 }
 
-static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc) {
+typedef uint16_t h8 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t u8v __attribute__((vector_size(32)));
+
+/* n rows of D bfloat16 values (row stride `stride`) → float32 rows of D, packed. D % 8 == 0. */
+static void widen(float *dst, const uint16_t *src, int64_t n, int64_t D, int64_t stride) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t d = 0; d < D; d += 8)
+            *(v8 *)(dst + t * D + d) = (v8)(__builtin_convertvector(*(const h8 *)(src + t * stride + d), u8v) << 16);
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* scratch: 2 · MAX_BLOCK · MAX_HEAD_DIM floats for a bf16 block's keys and values, and the group's q. */
+static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc, float *scratch) {
     const int64_t s = unit / j->num_kv_heads, kh = unit % j->num_kv_heads;
     const int64_t G = j->num_heads / j->num_kv_heads, D = j->head_dim, BS = j->block_size;
     const int64_t nv = D / 8; /* head_dim % 8 == 0, checked by the caller */
     const int64_t tok_stride = j->num_kv_heads * D;
     const int64_t len = j->lens[s];
-    const float *qg = j->q + (s * j->num_heads + kh * G) * D;
+    const int64_t q0 = (s * j->num_heads + kh * G) * D; /* the group's first query element */
+    float *kw = scratch, *vw = scratch + MAX_BLOCK * MAX_HEAD_DIM, *qw = vw + MAX_BLOCK * MAX_HEAD_DIM;
+    const float *qg = (const float *)j->q + q0;
+    if (j->bf16) {
+        widen(qw, (const uint16_t *)j->q + q0, G, D, D);
+        qg = qw;
+    }
     float m[MAX_GROUP], l[MAX_GROUP];
     for (int64_t g = 0; g < G; g++) {
         m[g] = -INFINITY;
@@ -139,11 +167,17 @@ static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc) {
     for (int64_t b = 0; b < n_blocks; b++) {
         const int64_t blk = j->tables[s * j->table_stride + b];
         const int64_t n = (len - b * BS) < BS ? (len - b * BS) : BS;
-        const float *kb = j->k + blk * BS * tok_stride + kh * D;
-        const float *vb = j->v + blk * BS * tok_stride + kh * D;
+        const int64_t at = blk * BS * tok_stride + kh * D;
+        const float *kb = (const float *)j->k + at, *vb = (const float *)j->v + at;
+        int64_t stride = tok_stride;
+        if (j->bf16) {
+            widen(kw, (const uint16_t *)j->k + at, n, D, tok_stride);
+            widen(vw, (const uint16_t *)j->v + at, n, D, tok_stride);
+            kb = kw, vb = vw, stride = D;
+        }
         for (int64_t g = 0; g < G; g++) {
             float *sg = scores + g * BS;
-            qk_scores(sg, (const v8 *)(qg + g * D), kb, n, nv, tok_stride, j->scale);
+            qk_scores(sg, (const v8 *)(qg + g * D), kb, n, nv, stride, j->scale);
             /* online softmax: rescale what was accumulated when the running max grows, then add p · v */
             float bm = sg[0];
             for (int64_t t = 1; t < n; t++) bm = sg[t] > bm ? sg[t] : bm;
@@ -164,30 +198,37 @@ static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc) {
             m[g] = nm;
             v8 *ag = (v8 *)(acc + g * D);
             int64_t i = 0;
-            for (; i + 8 <= nv; i += 8) pv_chunk8(ag + i, corr, sg, vb + i * 8, n, tok_stride);
+            for (; i + 8 <= nv; i += 8) pv_chunk8(ag + i, corr, sg, vb + i * 8, n, stride);
             for (; i < nv; i++) {
                 v8 r = ag[i] * corr;
-                for (int64_t u = 0; u < n; u++) r += sg[u] * ((const v8 *)(vb + u * tok_stride))[i];
+                for (int64_t u = 0; u < n; u++) r += sg[u] * ((const v8 *)(vb + u * stride))[i];
                 ag[i] = r;
             }
         }
     }
-    float *og = j->out + (s * j->num_heads + kh * G) * D;
     for (int64_t g = 0; g < G; g++) {
         /* len == 0 cannot happen for a scheduled decode (it includes the new token); guard anyway */
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (int64_t d = 0; d < D; d++) og[g * D + d] = acc[g * D + d] * inv;
+        if (j->bf16) {
+            uint16_t *og = (uint16_t *)j->out + q0 + g * D;
+            for (int64_t d = 0; d < D; d++) og[d] = to_bf16(acc[g * D + d] * inv);
+        } else {
+            float *og = (float *)j->out + q0 + g * D;
+            for (int64_t d = 0; d < D; d++) og[d] = acc[g * D + d] * inv;
+        }
     }
 }
 
 static void work(job_t *j) {
     float scores[MAX_GROUP * MAX_BLOCK];
     float acc[MAX_GROUP * MAX_HEAD_DIM];
+    static _Thread_local float scratch[2 * MAX_BLOCK * MAX_HEAD_DIM + MAX_GROUP * MAX_HEAD_DIM]
+        __attribute__((aligned(32))); /* 576 KB: per thread, not on the stack */
     const int64_t units = j->num_seqs * j->num_kv_heads;
     for (;;) {
         const int64_t u = atomic_fetch_add(&j->next, 1);
         if (u >= units) break;
-        run_unit(j, u, scores, acc);
+        run_unit(j, u, scores, acc, scratch);
     }
 }
 
@@ -248,10 +289,10 @@ static void pool_grow(int64_t want) {
     }
 }
 
-int vlm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
-                         int64_t table_stride, const int32_t *context_lens, float *out, int64_t num_seqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                         int64_t num_threads) {
+static int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                        int64_t table_stride, const int32_t *context_lens, void *out, int64_t num_seqs,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                        int64_t num_threads, int64_t bf16) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads) return -1;
     if (num_heads / num_kv_heads > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK) return -2;
     if (head_dim % 8) return -3;
@@ -259,7 +300,7 @@ int vlm_paged_decode_f32(const float *q, const float *k_cache, const float *v_ca
     const int64_t units = num_seqs * num_kv_heads;
     if (num_threads > units) num_threads = units;
     job_t j = {q, k_cache, v_cache, block_tables, context_lens, out, table_stride, num_seqs,
-               num_heads, num_kv_heads, head_dim, block_size, scale, 0};
+               num_heads, num_kv_heads, head_dim, block_size, scale, bf16, 0};
     atomic_init(&j.next, 0);
     if (num_threads <= 1) {
         work(&j);
@@ -280,4 +321,20 @@ int vlm_paged_decode_f32(const float *q, const float *k_cache, const float *v_ca
     pthread_mutex_unlock(&pool.lock);
     pthread_mutex_unlock(&pool.call);
     return 0;
+}
+
+int vlm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *context_lens, float *out, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                         int64_t num_threads) {
+    return paged_decode(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, scale, num_threads, 0);
+}
+
+int vlm_paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                          uint16_t *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, int64_t num_threads) {
+    return paged_decode(q, k_cache, v_cache, block_tables, table_stride, context_lens, out, num_seqs, num_heads,
+                        num_kv_heads, head_dim, block_size, scale, num_threads, 1);
 }
