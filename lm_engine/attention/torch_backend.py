@@ -4,11 +4,16 @@ library's causal kernel, where they apply."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from encoder.attention import cpu_kernel as vision_kernel
 from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionBackend, context_kv
+
+log = logging.getLogger("vlmserve.engine")
 
 
 def write_kv(
@@ -88,8 +93,9 @@ class CpuBackend(TorchBackend):
 
     Prefill chunks in bfloat16 run the vision attention library's causal kernel where it was built with
     AVX512-BF16 dot products (``encoder.attention.cpu_kernel.causal_attention``): torch's CPU flash attention
-    does not use them. NOTE: 12 heads over 2 kv heads × 64, 2 threads, AVX512-BF16 EPYC: 1,024-token chunk
-    31.6 ms against 10.1 ms, 2,048: 105 against 38, 512 after 1,024 cached: 36.5 against 12.1.
+    does not use them (timed against SDPA once per shape: see :func:`causal_kernel_is_faster`). NOTE: 12 heads
+    over 2 kv heads × 64, 2 threads, AVX512-BF16 EPYC: 1,024-token chunk 31.6 ms against 10.1 ms, 2,048: 105
+    against 38, 512 after 1,024 cached: 36.5 against 12.1.
     """
 
     name = "cpu"
@@ -97,12 +103,58 @@ class CpuBackend(TorchBackend):
     def __init__(self, lib) -> None:
         self.lib = lib
         self.prefill_lib = vision_kernel.load()
+        self.causal_choice: dict[tuple[int, int, int], bool] = {}  # (heads, kv heads, head dim) → kernel?
 
     def prefill(self, q, k, v, k_cache, v_cache, block_table, context_len, scale) -> torch.Tensor:
-        if not vision_kernel.causal_supported(self.prefill_lib, q):
+        if not self.causal_kernel_pays(q, k):
             return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
         keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
         return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale)
+
+    def causal_kernel_pays(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether this prefill runs the causal kernel: where it applies and, timed once per shape (at the
+        engine's warm-up step), it beats SDPA (where AMX runs torch's attention, it may not)."""
+        if not vision_kernel.causal_supported(self.prefill_lib, q):
+            return False
+        shape = (q.shape[1], k.shape[1], q.shape[2])
+        if shape not in self.causal_choice:
+            self.causal_choice[shape] = causal_kernel_is_faster(self.prefill_lib, *shape)
+        return self.causal_choice[shape]
+
+
+def causal_kernel_is_faster(
+    lib, heads: int, kv_heads: int, head_dim: int, tokens: int = 512, rounds: int = 3, timer=time.perf_counter
+) -> bool:
+    """The causal kernel against the torch backend's SDPA prefill on one ``tokens``-token bf16 chunk of this
+    shape: each run once untimed, then ``rounds`` times alternating, best runs compared (a few ms here)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    scale = head_dim**-0.5
+    calls = {
+        "kernel": lambda: vision_kernel.causal_attention(lib, q, k, v, scale),
+        "sdpa": lambda: TorchBackend().prefill(q, k, v, k, v, None, tokens, scale),
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    for call in calls.values():
+        call()
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = timer()
+            call()
+            best[name] = min(best[name], timer() - start)
+    faster = best["kernel"] < best["sdpa"]
+    log.info(
+        "bf16 prefill attention (%d heads over %d × %d, %d tokens): causal kernel %.1f ms, SDPA %.1f ms: %s",
+        heads,
+        kv_heads,
+        head_dim,
+        tokens,
+        best["kernel"] * 1e3,
+        best["sdpa"] * 1e3,
+        "kernel" if faster else "SDPA",
+    )
+    return faster
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         if not cpu_kernels.supports(q, k_cache):

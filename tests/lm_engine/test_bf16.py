@@ -110,7 +110,33 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
     monkeypatch.setattr(torch_backend.vision_kernel, "causal_attention", spy)
     bf16_engine.chat(long_prompts()[-1:], SamplingParams(temperature=0, max_tokens=2))
     probe = torch.empty(1, 1, 16, dtype=torch.bfloat16)
+    cfg = bf16_engine.engine.runner.cfg
+    shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if backend.name == "cpu" and cpu_kernel.causal_supported(backend.prefill_lib, probe):
+        assert shape in backend.causal_choice  # timed at the warm-up step, before any request
+    if backend.name == "cpu" and backend.causal_choice.get(shape):
         assert len(calls) >= 2 and any(lk > lq for lq, lk in calls), calls  # chunked: a cached prefix too
     else:
         assert calls == []
+
+
+def test_prefill_kernel_choice_follows_the_timing(monkeypatch):
+    """The causal kernel is kept only where it timed faster than SDPA: fake clocks make either side slower."""
+    from encoder.attention import cpu_kernel
+    from lm_engine.attention import torch_backend
+
+    monkeypatch.setattr(cpu_kernel, "causal_attention", lambda lib, q, k, v, scale: None)
+
+    def clock(slow: str):
+        """Called twice a run (start, end); runs alternate kernel, sdpa; the slow side's runs take 10 s."""
+        order, ticks = iter(["kernel", "sdpa"] * 3), []
+
+        def timer() -> float:
+            ticks.append(0.0 if len(ticks) % 2 == 0 else 10.0 if next(order) == slow else 1.0)
+            return ticks[-1]
+
+        return timer
+
+    for slow, want in (("kernel", False), ("sdpa", True)):
+        timer = clock(slow)
+        assert torch_backend.causal_kernel_is_faster(None, 4, 2, 16, tokens=32, timer=timer) is want
