@@ -111,9 +111,16 @@ class CpuBackend(TorchBackend):
         keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
         return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale)
 
+    def warmup(self, k_cache, v_cache, num_heads, max_model_len) -> None:
+        """Settle the prefill kernel choice for the model's shape now, not on the first request."""
+        _, _, kv_heads, head_dim = k_cache.shape
+        self.causal_kernel_pays(
+            torch.empty(1, num_heads, head_dim, dtype=k_cache.dtype), k_cache.new_empty(1, kv_heads, head_dim)
+        )
+
     def causal_kernel_pays(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether this prefill runs the causal kernel: where it applies and, timed once per shape (at the
-        engine's warm-up step), it beats SDPA (where AMX runs torch's attention, it may not)."""
+        """Whether this prefill runs the causal kernel: where it applies and, timed once per shape (at start-up:
+        see :meth:`warmup`), it beats SDPA (where AMX runs torch's attention, it may not)."""
         if not vision_kernel.causal_supported(self.prefill_lib, q):
             return False
         shape = (q.shape[1], k.shape[1], q.shape[2])

@@ -113,7 +113,7 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
     cfg = bf16_engine.engine.runner.cfg
     shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if backend.name == "cpu" and cpu_kernel.causal_supported(backend.prefill_lib, probe):
-        assert shape in backend.causal_choice  # timed at the warm-up step, before any request
+        assert shape in backend.causal_choice  # timed at start-up, before any request
     if backend.name == "cpu" and backend.causal_choice.get(shape):
         assert len(calls) >= 2 and any(lk > lq for lq, lk in calls), calls  # chunked: a cached prefix too
     else:
