@@ -126,21 +126,17 @@ PROBE_SHAPE = (128, 1024, 512)  # rows × inner × columns: a prefill chunk's pr
 def matmul_ratio(
     dtype: torch.dtype, timer: Callable[[], float] = time.perf_counter, rounds: int = 3, shape=PROBE_SHAPE
 ) -> float:
-    """How long a ``dtype`` matmul of ``shape`` takes against float32 on this CPU: each dtype is run once
-    untimed (one-time kernel set-up), then ``rounds`` times each, alternating, and the best runs compared.
-    Alternating puts a burst of load on both sides; the best run is the one the scheduler left alone."""
+    """How long a ``dtype`` matmul of ``shape`` takes against float32 on this CPU, best runs compared (timed
+    as :func:`preprocess.native.best_times` does: once untimed, then ``rounds`` times alternating)."""
+    from preprocess.native import best_times  # here: the config module stays free of the preprocess package
+
     m, k, n = shape
-    pairs = {dt: (torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)) for dt in (torch.float32, dtype)}
-    for a, b in pairs.values():
-        a @ b
-    best = {torch.float32: float("inf"), dtype: float("inf")}
-    for _ in range(rounds):
-        for dt in (dtype, torch.float32):
-            a, b = pairs[dt]
-            t0 = timer()
-            a @ b
-            best[dt] = min(best[dt], timer() - t0)
-    return best[dtype] / best[torch.float32]
+    half, full = (
+        (torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)),
+        (torch.randn(m, k), torch.randn(k, n)),
+    )
+    best = best_times({"half": lambda: half[0] @ half[1], "full": lambda: full[0] @ full[1]}, rounds, timer)
+    return best["half"] / best["full"]
 
 
 def probe_matmul(dtype: torch.dtype, timer: Callable[[], float] = time.perf_counter) -> bool:

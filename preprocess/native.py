@@ -20,6 +20,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("vlmserve.kernels")
@@ -41,6 +43,23 @@ def _cpu_flags() -> str:
 def switched_off(variable: str) -> bool:
     """Whether an on-by-default environment switch is set to 0, false, no or off."""
     return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def best_times(
+    calls: dict[str, Callable[[], object]], rounds: int = 3, timer: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
+    """Each call's best time, as the start-up probes that pick a fast path on this machine measure it: every
+    call run once untimed (one-time set-up), then ``rounds`` times, the calls alternating in their order.
+    Alternating puts a burst of load on every side; the best run is the one the scheduler left alone."""
+    for call in calls.values():
+        call()
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = timer()
+            call()
+            best[name] = min(best[name], timer() - start)
+    return best
 
 
 def cache_dir() -> Path:

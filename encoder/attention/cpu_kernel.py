@@ -45,6 +45,7 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache  # asked on every prefill chunk (causal_supported): one ctypes call per library is enough
 def isa(lib: ctypes.CDLL) -> str:
     """Which instructions run the products for bfloat16 inputs (``avx512-bf16`` or ``fp32-fma``)."""
     return lib.vlm_varlen_attention_isa().decode()

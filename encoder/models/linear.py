@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from preprocess.native import switched_off
+from preprocess.native import best_times, switched_off
 
 log = logging.getLogger("vlmserve.linear")
 
@@ -86,15 +85,8 @@ def packed_is_faster(rows: int = 32, width: int = 1024, rounds: int = 5) -> bool
     linear = nn.Linear(width, width).to(torch.bfloat16)
     packed = PackedLinear(linear)
     calls = {"plain": lambda: F.linear(x, linear.weight, linear.bias), "packed": lambda: packed(x)}
-    best = dict.fromkeys(calls, float("inf"))
     with torch.no_grad():
-        for call in calls.values():
-            call()
-        for _ in range(rounds):
-            for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = best_times(calls, rounds)
     log.info(
         "bfloat16 linear, %d rows: plain %.0f us, packed %.0f us",
         rows,

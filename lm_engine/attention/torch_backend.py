@@ -12,6 +12,7 @@ import torch
 from encoder.attention import cpu_kernel as vision_kernel
 from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionBackend, context_kv
+from preprocess.native import best_times
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -142,14 +143,7 @@ def causal_kernel_is_faster(
         "kernel": lambda: vision_kernel.causal_attention(lib, q, k, v, scale),
         "sdpa": lambda: TorchBackend().prefill(q, k, v, k, v, None, tokens, scale),
     }
-    best = dict.fromkeys(calls, float("inf"))
-    for call in calls.values():
-        call()
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = timer()
-            call()
-            best[name] = min(best[name], timer() - start)
+    best = best_times(calls, rounds, timer)
     faster = best["kernel"] < best["sdpa"]
     log.info(
         "bf16 prefill attention (%d heads over %d × %d, %d tokens): causal kernel %.1f ms, SDPA %.1f ms: %s",
