@@ -372,6 +372,20 @@ static inline __m512 softmax_tile(__m512 *S, int64_t kv, const __mmask16 *valid,
     return corr;
 }
 
+/* A unit's `rows` output rows, bf16, to out + row · stride: the tiles' accumulators (Ot: [tile][dim][16 rows])
+ * divided by the rows' sums l. */
+static void write_tiles(const float *Ot, const __m512 *l, int64_t d, int64_t rows, uint16_t *out, int64_t stride) {
+    for (int64_t t = 0; t * TR < rows; t++) {
+        float lt[TR];
+        _mm512_storeu_ps(lt, l[t]);
+        for (int64_t r = 0; r < TR && t * TR + r < rows; r++) {
+            const float inv = 1.0f / lt[r];
+            uint16_t *o = out + (t * TR + r) * stride;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(Ot[(t * d + e) * TR + r] * inv);
+        }
+    }
+}
+
 /* One unit on the bf16 path: `rows` query rows from padded row `base + r0`, keys [0, len) from `base`. */
 static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
@@ -393,15 +407,7 @@ static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, in
         }
     }
     const int64_t stride = j->heads * d;
-    for (int64_t t = 0; t < tiles; t++) {
-        float lt[TR];
-        _mm512_storeu_ps(lt, l[t]);
-        for (int64_t r = 0; r < TR && t * TR + r < rows; r++) {
-            const float inv = 1.0f / lt[r];
-            uint16_t *o = (uint16_t *)j->out + (j->cu[s] + r0 + t * TR + r) * stride + h * d;
-            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(Ot[(t * d + e) * TR + r] * inv);
-        }
-    }
+    write_tiles(Ot, l, d, rows, (uint16_t *)j->out + (j->cu[s] + r0) * stride + h * d, stride);
 }
 #endif
 
@@ -798,15 +804,7 @@ static void causal_unit(job_t *jb, int64_t u) {
                 pv_tile(P, (kv + 1) / 2, vt + k0 * d, d, d0, Ot + t * d * TR, corr);
         }
     }
-    for (int64_t t = 0; t < tiles; t++) {
-        float lt[TR];
-        _mm512_storeu_ps(lt, l[t]);
-        for (int64_t r = 0; r < TR && t * TR + r < rows; r++) {
-            const float inv = 1.0f / lt[r];
-            uint16_t *o = j->out + (r0 + t * TR + r) * j->os + h * d;
-            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(Ot[(t * d + e) * TR + r] * inv);
-        }
-    }
+    write_tiles(Ot, l, d, rows, j->out + r0 * j->os + h * d, j->os);
 }
 
 #endif
