@@ -3,19 +3,20 @@
 Two implementations of one contract (:class:`VarlenAttention`): plain torch (rotary + SDPA per segment, the
 reference the kernel is tested against, and the CUDA path) and the compiled CPU kernel
 (:mod:`encoder.attention.cpu_kernel`: rotary fused into its packing, tiled, no score matrix materialised).
-:func:`choose_attention` picks one by timing both on this machine, as ``resolve_dtype`` does for the dtype.
+:func:`choose_attention` picks one by timing them on this machine, as ``resolve_dtype`` does for the dtype.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from encoder.attention import cpu_kernel
+from preprocess.native import best_times
 
 log = logging.getLogger("vlmserve.encoder")
 
@@ -79,13 +80,15 @@ class TorchAttention(VarlenAttention):
 
 
 class KernelAttention(VarlenAttention):
-    name = "cpu-kernel"
+    """The compiled kernel; ``amx``: its bfloat16 products on AMX tiles (where :func:`cpu_kernel.amx_ready`)."""
 
-    def __init__(self, lib) -> None:
+    def __init__(self, lib, amx: bool = False) -> None:
         self.lib = lib
+        self.amx = amx
+        self.name = "cpu-kernel-amx" if amx else "cpu-kernel"
 
     def __call__(self, qkv, cos, sin, segments, scale):
-        return cpu_kernel.varlen_attention(self.lib, qkv, cos, sin, segments.cu_seqlens, scale)
+        return cpu_kernel.varlen_attention(self.lib, qkv, cos, sin, segments.cu_seqlens, scale, amx=self.amx)
 
 
 _CHOICE: dict[tuple, str] = {}
@@ -94,8 +97,10 @@ _CHOICE: dict[tuple, str] = {}
 def choose_attention(
     name: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
 ) -> VarlenAttention:
-    """``torch``, ``cpu-kernel`` or ``auto``: on the CPU the faster of the two on a 1024-patch image of this
-    shape, timed once per process (a few ms); the torch path where the kernel does not apply."""
+    """``torch``, ``cpu-kernel`` or ``auto``: on the CPU the fastest of torch and the kernel's variants (its
+    products on AMX tiles too, for bfloat16 where the CPU has them) on a 1024-patch image of this shape,
+    timed once per process (a few ms); the torch path where the kernel does not apply. ``cpu-kernel`` times
+    only the kernel's own variants."""
     if name not in ("auto", "torch", "cpu-kernel"):
         raise ValueError(f"vision attention must be auto, torch or cpu-kernel, got {name!r}")
     lib = cpu_kernel.load() if device.type == "cpu" else None
@@ -106,36 +111,35 @@ def choose_attention(
         )
     if name == "torch" or not usable:
         return TorchAttention()
-    if name == "cpu-kernel":
-        return KernelAttention(lib)
-    key = (dtype, heads, head_dim)
+    candidates: list[VarlenAttention] = [] if name == "cpu-kernel" else [TorchAttention()]
+    candidates.append(KernelAttention(lib))
+    if dtype == torch.bfloat16 and cpu_kernel.amx_ready(lib):
+        candidates.append(KernelAttention(lib, amx=True))
+    if len(candidates) == 1:
+        return candidates[0]
+    key = (name, dtype, heads, head_dim)
     if key not in _CHOICE:
-        _CHOICE[key] = _time_both(lib, dtype, heads, head_dim)
-    return KernelAttention(lib) if _CHOICE[key] == "cpu-kernel" else TorchAttention()
+        _CHOICE[key] = _fastest(candidates, dtype, heads, head_dim)
+    return next(impl for impl in candidates if impl.name == _CHOICE[key])
 
 
-def _time_both(lib, dtype: torch.dtype, heads: int, head_dim: int) -> str:
+def _fastest(candidates: list[VarlenAttention], dtype: torch.dtype, heads: int, head_dim: int) -> str:
     gen = torch.Generator().manual_seed(0)
     n = 1024
     qkv = torch.randn(n, 3, heads, head_dim, generator=gen).to(dtype)
     angle = torch.rand(n, head_dim // 2, generator=gen) * 6
+    cos, sin = angle.cos(), angle.sin()
     segments = Segments.of_lengths([n])
-    times = {}
-    for impl in (TorchAttention(), KernelAttention(lib)):
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            impl(qkv, angle.cos(), angle.sin(), segments, head_dim**-0.5)
-            best = min(best, time.perf_counter() - t0)
-        times[impl.name] = best
+    times = best_times(
+        {impl.name: functools.partial(impl, qkv, cos, sin, segments, head_dim**-0.5) for impl in candidates}
+    )
     pick = min(times, key=times.get)
     log.info(
-        "vision attention: %s (%s, %d heads × %d: torch %.2f ms, cpu-kernel %.2f ms per 1024-patch image)",
+        "vision attention: %s (%s, %d heads × %d; per 1024-patch image: %s)",
         pick,
         str(dtype).removeprefix("torch."),
         heads,
         head_dim,
-        times["torch"] * 1e3,
-        times["cpu-kernel"] * 1e3,
+        ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items()),
     )
     return pick

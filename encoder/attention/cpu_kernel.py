@@ -31,9 +31,10 @@ def load(march: str = "native") -> ctypes.CDLL | None:
         return None
     fn = lib.vlm_varlen_attention
     fn.restype = ctypes.c_int
-    # qkv, cos, sin, cu_seqlens, num_segments, out, rows, heads, head_dim, dtype, scale, threads
-    fn.argtypes = [_PTR] * 4 + [_I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64]
+    # qkv, cos, sin, cu_seqlens, num_segments, out, rows, heads, head_dim, dtype, scale, threads, amx
+    fn.argtypes = [_PTR] * 4 + [_I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64, _I64]
     lib.vlm_varlen_attention_isa.restype = ctypes.c_char_p
+    lib.vlm_amx_ready.restype = ctypes.c_int
     act = lib.vlm_bias_quick_gelu
     act.restype = ctypes.c_int
     # x, bias, rows, cols, dtype, threads
@@ -51,6 +52,13 @@ def isa(lib: ctypes.CDLL) -> str:
     return lib.vlm_varlen_attention_isa().decode()
 
 
+@functools.cache
+def amx_ready(lib: ctypes.CDLL) -> bool:
+    """Whether bfloat16 attention can run its products on AMX tiles here: the library was built for a CPU with
+    AMX-BF16 and Linux granted this process the tile state (asked once)."""
+    return bool(lib.vlm_amx_ready())
+
+
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in _DTYPE_CODES and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
@@ -63,8 +71,10 @@ def varlen_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
-    """``qkv`` [N, 3, H, D] → [N, H·D]: the :class:`encoder.attention.VarlenAttention` contract."""
+    """``qkv`` [N, 3, H, D] → [N, H·D]: the :class:`encoder.attention.VarlenAttention` contract. ``amx``:
+    bfloat16 products on AMX tiles (only where :func:`amx_ready`)."""
     n, three, h, d = qkv.shape
     if three != 3 or not supports(qkv.dtype, d) or qkv.device.type != "cpu":
         raise ValueError(
@@ -92,6 +102,7 @@ def varlen_attention(
         _DTYPE_CODES[qkv.dtype],
         scale,
         max(1, int(num_threads or torch.get_num_threads())),
+        int(amx),
     )
     if rc != 0:
         raise RuntimeError(f"varlen attention kernel failed (code {rc})")

@@ -72,6 +72,61 @@ def test_bfloat16_is_as_close_to_float32_as_torch_bf16(build, lengths, heads, d)
     torch.testing.assert_close(got.float(), exact, atol=3e-2, rtol=3e-2)
 
 
+AMX = LIB is not None and cpu_kernel.amx_ready(LIB)
+needs_amx = pytest.mark.skipif(not AMX, reason="this CPU (or kernel) gives no AMX-BF16 tiles")
+
+
+@needs_amx
+@pytest.mark.parametrize("lengths", LENGTHS, ids=str)
+@pytest.mark.parametrize("heads,d", SHAPES + TAILS, ids=str)
+def test_amx_is_as_close_to_float32_as_torch_bf16(lengths, heads, d):
+    """The products on AMX tiles (q and k zero-padded to 32 dims: head dims 16, 80, 112 pad, 64 and 128 do not)
+    against float32 attention, and against the same kernel's vdpbf16ps products: P and the inputs are rounded
+    the same way, so only the order of the float32 sums differs."""
+    qkv, cos, sin, seg = case(lengths, heads, d, torch.bfloat16, seed=sum(lengths) * 11 + d)
+    exact = TorchAttention()(qkv.float(), cos, sin, seg, d**-0.5)
+    torch_bf16 = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
+    got = KernelAttention(LIB, amx=True)(qkv, cos, sin, seg, d**-0.5)
+    dots = KernelAttention(LIB)(qkv, cos, sin, seg, d**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (sum(lengths), heads * d)
+    ours = (got.float() - exact).abs().max().item()
+    theirs = (torch_bf16.float() - exact).abs().max().item()
+    assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+    # one bf16 rounding step of the output apart at most
+    torch.testing.assert_close(got.float(), dots.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@needs_amx
+def test_amx_threads_do_not_change_the_result_and_float32_is_refused():
+    qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 80, torch.bfloat16, seed=6)
+    outs = [
+        cpu_kernel.varlen_attention(LIB, qkv, cos, sin, seg.cu_seqlens, 0.1, num_threads=t, amx=True)
+        for t in (1, 2, 3)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(RuntimeError, match="code -6"):
+        cpu_kernel.varlen_attention(LIB, qkv.float(), cos, sin, seg.cu_seqlens, 0.1, amx=True)
+
+
+def test_auto_times_every_variant_and_keeps_one(monkeypatch):
+    """``auto`` in bfloat16 times torch, the kernel and (with AMX) its tile variant, and keeps what the timing
+    found fastest: a slowed variant is never picked."""
+    import encoder.attention as attention
+
+    names = ["torch", "cpu-kernel"] + (["cpu-kernel-amx"] if AMX else [])
+    for fast in names:
+        monkeypatch.setattr(attention, "_CHOICE", {})
+        timed = []
+
+        def best_times(calls, fast=fast, timed=timed):
+            timed.append(sorted(calls))
+            return {name: (0.001 if name == fast else 1.0) for name in calls}
+
+        monkeypatch.setattr(attention, "best_times", best_times)
+        picked = choose_attention("auto", torch.device("cpu"), torch.bfloat16, 2, 64)
+        assert picked.name == fast and timed == [sorted(names)], (fast, timed)
+
+
 def test_threads_do_not_change_the_result():
     qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 64, torch.float32, seed=5)
     outs = [
