@@ -502,39 +502,57 @@ static inline __m512 exp2_p(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Keys i and i + 1 (if i + 1 < kv) of the block: their probabilities into P's pair i / 2; returns their sum. */
+static inline __m512 softmax_pair(const __m512 *S, int64_t i, int64_t kv, const __mmask16 *valid, __m512 sc,
+                                  __m512 mnew, __m512i *P) {
+    /* word 2r ← p(key 2i)[r], word 2r + 1 ← p(key 2i + 1)[r]: cvtne2ps puts the first key in words 0-15 */
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 p0 = exp2_p(_mm512_fmsub_ps(S[i], sc, mnew));
+    __m512 p1 = i + 1 < kv ? exp2_p(_mm512_fmsub_ps(S[i + 1], sc, mnew)) : zero;
+    if (valid) { /* exp2_p(-inf) is NaN: masked scores get 0 here */
+        p0 = _mm512_maskz_mov_ps(valid[i], p0);
+        p1 = i + 1 < kv ? _mm512_maskz_mov_ps(valid[i + 1], p1) : zero;
+    }
+    P[i / 2] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    return _mm512_add_ps(p0, p1);
+}
+
 /* The online softmax of one tile over one block of `kv` keys (S: raw scores; keys past kv are not read): the
  * running max m (in scale2 units) and sum l of the 16 rows moved on, P the block's probabilities rounded to
  * bfloat16 in key pairs [KB/2][16 rows][2] (as flash attention rounds P); returns the rows' correction.
  * `valid` (or NULL: all): per key, the rows (lanes) that may see it; every row must see some key of the
- * first block it is given (its running max is then finite from there on). */
+ * first block it is given (its running max is then finite from there on).
+ * NOTE: the max and the sum run in several register chains, unrolled by hand. Written as arrays indexed i % 4,
+ * GCC kept the chains on the stack, a store and a reload per key: the softmax of a 64-key block took 163 ns, of
+ * which 111 without any exp2 (a Xeon, AVX-512). */
 static inline __m512 softmax_tile(__m512 *S, int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l,
                                   __m512i *P) {
-    const __m512 sc = _mm512_set1_ps(scale2), zero = _mm512_setzero_ps();
+    const __m512 sc = _mm512_set1_ps(scale2);
     if (valid)
         for (int64_t i = 0; i < kv; i++) S[i] = _mm512_mask_blend_ps(valid[i], _mm512_set1_ps(-INFINITY), S[i]);
-    __m512 mx4[4] = {S[0], S[0], S[0], S[0]}; /* four chains: one would be 63 dependent maxes a block */
-    for (int64_t i = 1; i < kv; i++) mx4[i % 4] = _mm512_max_ps(mx4[i % 4], S[i]);
-    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+    __m512 mx0 = S[0], mx1 = S[0], mx2 = S[0], mx3 = S[0];
+    int64_t i = 1;
+    for (; i + 4 <= kv; i += 4) {
+        mx0 = _mm512_max_ps(mx0, S[i]);
+        mx1 = _mm512_max_ps(mx1, S[i + 1]);
+        mx2 = _mm512_max_ps(mx2, S[i + 2]);
+        mx3 = _mm512_max_ps(mx3, S[i + 3]);
+    }
+    for (; i < kv; i++) mx0 = _mm512_max_ps(mx0, S[i]);
+    const __m512 mx = _mm512_max_ps(_mm512_max_ps(mx0, mx1), _mm512_max_ps(mx2, mx3));
     const __m512 mnew = _mm512_max_ps(*m, _mm512_mul_ps(mx, sc));
     /* exactly 1 where the max did not move (exp2_512(0) is 1 + 2^-23), so the AMX path can skip rescaling */
     const __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, *m, _CMP_NEQ_OQ), _mm512_set1_ps(1.0f),
                                              exp2_512(_mm512_sub_ps(*m, mnew)));
-    /* word 2r ← p(key 2i)[r], word 2r + 1 ← p(key 2i + 1)[r]: cvtne2ps puts the first key in words 0-15 */
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 sum4[4] = {zero, zero, zero, zero}; /* four chains, as for the max: one was 32 dependent adds */
-    for (int64_t i = 0; i < kv; i += 2) {
-        __m512 p0 = exp2_p(_mm512_fmsub_ps(S[i], sc, mnew));
-        __m512 p1 = i + 1 < kv ? exp2_p(_mm512_fmsub_ps(S[i + 1], sc, mnew)) : zero;
-        if (valid) { /* exp2_p(-inf) is NaN: masked scores get 0 here */
-            p0 = _mm512_maskz_mov_ps(valid[i], p0);
-            p1 = i + 1 < kv ? _mm512_maskz_mov_ps(valid[i + 1], p1) : zero;
-        }
-        sum4[i / 2 % 4] = _mm512_add_ps(sum4[i / 2 % 4], _mm512_add_ps(p0, p1));
-        P[i / 2] = _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (i = 0; i + 4 <= kv; i += 4) {
+        sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, mnew, P));
+        sum1 = _mm512_add_ps(sum1, softmax_pair(S, i + 2, kv, valid, sc, mnew, P));
     }
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(sum4[0], sum4[1]), _mm512_add_ps(sum4[2], sum4[3]));
-    *l = _mm512_fmadd_ps(*l, corr, sum);
+    for (; i < kv; i += 2) sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, mnew, P));
+    *l = _mm512_fmadd_ps(*l, corr, _mm512_add_ps(sum0, sum1));
     *m = mnew;
     return corr;
 }
@@ -645,56 +663,47 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, int64_t dq
     }
 }
 
-/* Steps (key block, query tile) run software-pipelined: the next step's scores are issued to the tile unit before
- * this step's softmax and stored after it, so the tile products run while the vector units do the softmax (the
- * two took about equal time, one after the other). */
+/* NOTE: the tile products and the vector units do not overlap on the Xeon this was written on: 16 tile products
+ * with their loads took 77 ns, softmax_tile 162 ns, the two interleaved 246 ns (no dependency between them), and
+ * issuing the next step's scores before this step's softmax bought nothing. So the steps run one after the other,
+ * and the softmax, not the products, is most of a step. */
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
-    const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR, steps = (len + KB - 1) / KB * tiles;
+    const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
     float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows] */
-    __m512 S[2][KB], m[QB / TR], l[QB / TR];
+    __m512 S[KB], m[QB / TR], l[QB / TR];
     __m512i P[KB / 2];
     const __m512 one = _mm512_set1_ps(1.0f);
     memset(Ots, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
     amx_config();
-    const uint16_t *qp = (const uint16_t *)j->qp + (base + r0) * dq, *kp = (const uint16_t *)j->kp + base * dq;
-    const uint16_t *vp = j->vp;
-    /* step i: query tile i % tiles, keys from (i / tiles) · KB; segments are padded to 64 rows: all four key
-     * tiles of a block exist */
-    amx_scores(qp, kp, dq);
-    _tile_stored(0, S[0], 64);
-    _tile_stored(1, S[0] + 16, 64);
-    _tile_stored(2, S[0] + 32, 64);
-    _tile_stored(3, S[0] + 48, 64);
-    for (int64_t i = 0; i < steps; i++) {
-        const int64_t t = i % tiles, k0 = i / tiles * KB, kv = len - k0 < KB ? len - k0 : KB, two = kv > 32;
-        const int64_t next = i + 1 < steps;
-        if (next) amx_scores(qp + (i + 1) % tiles * TR * dq, kp + (i + 1) / tiles * KB * dq, dq);
-        const __m512 corr = softmax_tile(S[i % 2], kv, NULL, j->scale2, m + t, l + t, P);
-        for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
-        float *Ot = Ots + t * d * TR;
-        if (_mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) /* no row's max moved: nothing to rescale */
-            for (int64_t e = 0; e < d; e++)
-                _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
-        if (next) {
-            __m512 *Sn = S[(i + 1) % 2];
-            _tile_stored(0, Sn, 64);
-            _tile_stored(1, Sn + 16, 64);
-            _tile_stored(2, Sn + 32, 64);
-            _tile_stored(3, Sn + 48, 64);
+    const uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
+    for (int64_t k0 = 0; k0 < len; k0 += KB) { /* segments are padded to 64 rows: all four key tiles exist */
+        const int64_t kv = len - k0 < KB ? len - k0 : KB, two = kv > 32;
+        const uint16_t *kb = kp + (base + k0) * dq, *vb = vp + (base + k0) * d;
+        for (int64_t t = 0; t < tiles; t++) {
+            amx_scores(qp + (base + r0 + t * TR) * dq, kb, dq);
+            _tile_stored(0, S, 64);
+            _tile_stored(1, S + 16, 64);
+            _tile_stored(2, S + 32, 64);
+            _tile_stored(3, S + 48, 64);
+            const __m512 corr = softmax_tile(S, kv, NULL, j->scale2, m + t, l + t, P);
+            for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
+            float *Ot = Ots + t * d * TR;
+            if (_mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) /* no row's max moved: nothing to rescale */
+                for (int64_t e = 0; e < d; e++)
+                    _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
+            _tile_loadd(6, P, 64);
+            if (two) _tile_loadd(7, P + 16, 64);
+            int64_t dt = 0;
+            for (; dt + 4 <= d / 16; dt += 4) {
+                PV_TILE(0, 4, dt);
+                PV_TILE(1, 5, dt + 1);
+                PV_TILE(2, 4, dt + 2);
+                PV_TILE(3, 5, dt + 3);
+            }
+            for (; dt < d / 16; dt++) PV_TILE(0, 4, dt);
         }
-        const uint16_t *vb = vp + (base + k0) * d;
-        _tile_loadd(6, P, 64);
-        if (two) _tile_loadd(7, P + 16, 64);
-        int64_t dt = 0;
-        for (; dt + 4 <= d / 16; dt += 4) {
-            PV_TILE(0, 4, dt);
-            PV_TILE(1, 5, dt + 1);
-            PV_TILE(2, 4, dt + 2);
-            PV_TILE(3, 5, dt + 3);
-        }
-        for (; dt < d / 16; dt++) PV_TILE(0, 4, dt);
     }
     _tile_release();
     const int64_t stride = j->heads * d;
