@@ -106,6 +106,15 @@ class CpuBackend(TorchBackend):
         self.prefill_lib = vision_kernel.load()
         self.causal_choice: dict[tuple[int, int, int], bool] = {}  # (heads, kv heads, head dim) → kernel?
 
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
+        if not cpu_kernels.supports(q, k_cache):
+            return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
+        if max_context <= 0:
+            max_context = int(context_lens.max())
+        return cpu_kernels.paged_decode(
+            self.lib, q, k_cache, v_cache, block_tables, context_lens, scale, max_context
+        )
+
     def prefill(self, q, k, v, k_cache, v_cache, block_table, context_len, scale) -> torch.Tensor:
         if not self.causal_kernel_pays(q, k):
             return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
@@ -156,12 +165,3 @@ def causal_kernel_is_faster(
         "kernel" if faster else "SDPA",
     )
     return faster
-
-    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
-        if not cpu_kernels.supports(q, k_cache):
-            return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
-        if max_context <= 0:
-            max_context = int(context_lens.max())
-        return cpu_kernels.paged_decode(
-            self.lib, q, k_cache, v_cache, block_tables, context_lens, scale, max_context
-        )

@@ -89,6 +89,22 @@ def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lens, h, kvh, d, bs):
     )
 
 
+def test_backend_decodes_in_the_kernel(monkeypatch):
+    """Shapes the kernel takes never reach gather + SDPA. (The backend's decode once slipped out of its class,
+    below a module-level function, and every decode step ran the torch path unnoticed.)"""
+    import lm_engine.attention.torch_backend as torch_backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("decode fell back to gather + SDPA")
+
+    backend = CpuBackend(LIB)
+    monkeypatch.setattr(torch_backend, "paged_decode", refuse)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, tables, ctx = _case(7, [20, 70], 4, 2, 64, 16, dtype=dtype)
+        got = backend.decode(q, k, v, tables, ctx, 0.3, 70)
+        assert torch.equal(got, cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.3, 70))
+
+
 def test_backend_falls_back_outside_the_kernel():
     backend = CpuBackend(LIB)
     for dtype, d in ((torch.float16, 64), (torch.float32, 12)):  # not float32/bf16; head_dim % 8 != 0
