@@ -41,8 +41,8 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     act.argtypes = [_PTR, _PTR] + [_I64] * 4
     causal = lib.vlm_causal_attention
     causal.restype = ctypes.c_int
-    # q, k, v, out, lq, lk, heads, kv_heads, head_dim, q/k/v/out row strides, scale, threads
-    causal.argtypes = [_PTR] * 4 + [_I64] * 9 + [ctypes.c_float, _I64]
+    # q, k, v, out, lq, lk, heads, kv_heads, head_dim, q/k/v/out row strides, scale, threads, amx
+    causal.argtypes = [_PTR] * 4 + [_I64] * 9 + [ctypes.c_float, _I64, _I64]
     return lib
 
 
@@ -128,10 +128,11 @@ def causal_attention(
     v: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
     """A decoder's prefill chunk: ``q`` [Lq, H, D] ends the ``k``/``v`` [Lk, KVH, D] context (row i sees keys up
     to Lk - Lq + i); grouped-query heads (H a multiple of KVH). Returns [Lq, H, D], bfloat16 (see
-    :func:`causal_supported`)."""
+    :func:`causal_supported`). ``amx``: the products on AMX tiles (only where :func:`amx_ready`)."""
     (lq, heads, d), (lk, kv_heads, dk) = q.shape, k.shape
     if (
         not causal_supported(lib, q)
@@ -164,6 +165,7 @@ def causal_attention(
         out.stride(0),
         scale,
         max(1, int(num_threads or torch.get_num_threads())),
+        int(amx),
     )
     if rc != 0:
         raise RuntimeError(f"causal attention kernel failed (code {rc})")

@@ -94,7 +94,7 @@ class CpuBackend(TorchBackend):
 
     Prefill chunks in bfloat16 run the vision attention library's causal kernel where it was built with
     AVX512-BF16 dot products (``encoder.attention.cpu_kernel.causal_attention``): torch's CPU flash attention
-    does not use them (timed against SDPA once per shape: see :func:`causal_kernel_is_faster`). NOTE: 12 heads
+    does not use them (timed against SDPA once per shape: see :func:`fastest_prefill`). NOTE: 12 heads
     over 2 kv heads × 64, 2 threads, AVX512-BF16 EPYC: 1,024-token chunk 31.6 ms against 10.1 ms, 2,048: 105
     against 38, 512 after 1,024 cached: 36.5 against 12.1.
     """
@@ -104,7 +104,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, lib) -> None:
         self.lib = lib
         self.prefill_lib = vision_kernel.load()
-        self.causal_choice: dict[tuple[int, int, int], bool] = {}  # (heads, kv heads, head dim) → kernel?
+        # (heads, kv heads, head dim) → "sdpa", "kernel" or "kernel-amx" (its products on AMX tiles)
+        self.causal_choice: dict[tuple[int, int, int], str] = {}
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         if not cpu_kernels.supports(q, k_cache):
@@ -119,7 +120,8 @@ class CpuBackend(TorchBackend):
         if not self.causal_kernel_pays(q, k):
             return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
         keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
-        return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale)
+        amx = self.causal_choice[(q.shape[1], k.shape[1], q.shape[2])] == "kernel-amx"
+        return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale, amx=amx)
 
     def warmup(self, k_cache, v_cache, num_heads, max_model_len) -> None:
         """Settle the prefill kernel choice for the model's shape now, not on the first request."""
@@ -130,20 +132,22 @@ class CpuBackend(TorchBackend):
 
     def causal_kernel_pays(self, q: torch.Tensor, k: torch.Tensor) -> bool:
         """Whether this prefill runs the causal kernel: where it applies and, timed once per shape (at start-up:
-        see :meth:`warmup`), it beats SDPA (where AMX runs torch's attention, it may not)."""
+        see :meth:`warmup`), it (or its AMX variant) beats SDPA (where AMX runs torch's attention, the vdpbf16ps
+        kernel may not)."""
         if not vision_kernel.causal_supported(self.prefill_lib, q):
             return False
         shape = (q.shape[1], k.shape[1], q.shape[2])
         if shape not in self.causal_choice:
-            self.causal_choice[shape] = causal_kernel_is_faster(self.prefill_lib, *shape)
-        return self.causal_choice[shape]
+            self.causal_choice[shape] = fastest_prefill(self.prefill_lib, *shape)
+        return self.causal_choice[shape] != "sdpa"
 
 
-def causal_kernel_is_faster(
+def fastest_prefill(
     lib, heads: int, kv_heads: int, head_dim: int, tokens: int = 512, rounds: int = 3, timer=time.perf_counter
-) -> bool:
-    """The causal kernel against the torch backend's SDPA prefill on one ``tokens``-token bf16 chunk of this
-    shape: each run once untimed, then ``rounds`` times alternating, best runs compared (a few ms here)."""
+) -> str:
+    """``sdpa``, ``kernel`` or ``kernel-amx``: the causal kernel (and, where the CPU has AMX, its tile variant)
+    against the torch backend's SDPA prefill on one ``tokens``-token bf16 chunk of this shape, each run once
+    untimed, then ``rounds`` times alternating, best runs compared (a few ms here)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, heads, head_dim, generator=gen).to(torch.bfloat16)
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -152,16 +156,17 @@ def causal_kernel_is_faster(
         "kernel": lambda: vision_kernel.causal_attention(lib, q, k, v, scale),
         "sdpa": lambda: TorchBackend().prefill(q, k, v, k, v, None, tokens, scale),
     }
+    if lib is not None and vision_kernel.amx_ready(lib):
+        calls["kernel-amx"] = lambda: vision_kernel.causal_attention(lib, q, k, v, scale, amx=True)
     best = best_times(calls, rounds, timer)
-    faster = best["kernel"] < best["sdpa"]
+    pick = min(best, key=best.get)
     log.info(
-        "bf16 prefill attention (%d heads over %d × %d, %d tokens): causal kernel %.1f ms, SDPA %.1f ms: %s",
+        "bf16 prefill attention (%d heads over %d × %d, %d tokens): %s: %s",
         heads,
         kv_heads,
         head_dim,
         tokens,
-        best["kernel"] * 1e3,
-        best["sdpa"] * 1e3,
-        "kernel" if faster else "SDPA",
+        ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in best.items()),
+        pick,
     )
-    return faster
+    return pick

@@ -199,8 +199,9 @@ CAUSAL_CASES = [
 
 
 @needs_causal
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("lq,lk,heads,kv_heads,d", CAUSAL_CASES, ids=str)
-def test_causal_is_as_close_to_float32_as_torch_bf16(lq, lk, heads, kv_heads, d):
+def test_causal_is_as_close_to_float32_as_torch_bf16(lq, lk, heads, kv_heads, d, amx):
     gen = torch.Generator().manual_seed(lq * 7 + lk)
     # q as the decoder hands it: a view of a fused projection, rows strided
     fused = (torch.randn(lq, heads + 2, d, generator=gen) * 3).to(torch.bfloat16)
@@ -220,7 +221,7 @@ def test_causal_is_as_close_to_float32_as_torch_bf16(lq, lk, heads, kv_heads, d)
         .squeeze(0)
         .transpose(0, 1)
     )
-    got = cpu_kernel.causal_attention(LIB, q, k, v, scale)
+    got = cpu_kernel.causal_attention(LIB, q, k, v, scale, amx=amx)
     assert got.dtype == torch.bfloat16 and got.shape == (lq, heads, d)
     ours = (got.float() - exact).abs()
     theirs = (torch_bf16.float() - exact).abs()
@@ -234,8 +235,9 @@ def test_causal_threads_do_not_change_the_result():
     q, k, v = (
         torch.randn(n, h, 64, generator=gen).to(torch.bfloat16) for n, h in ((200, 12), (700, 2), (700, 2))
     )
-    outs = [cpu_kernel.causal_attention(LIB, q, k, v, 0.125, num_threads=t) for t in (1, 2, 3)]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for amx in [False] + ([True] if AMX else []):
+        outs = [cpu_kernel.causal_attention(LIB, q, k, v, 0.125, num_threads=t, amx=amx) for t in (1, 2, 3)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_causal_refuses_without_bf16_dots():
@@ -245,7 +247,7 @@ def test_causal_refuses_without_bf16_dots():
     v3 = cpu_kernel.load("x86-64-v3")
     if v3 is not None:
         assert not cpu_kernel.causal_supported(v3, q)
-        assert v3.vlm_causal_attention(*[None] * 4, 4, 4, 2, 2, 64, 128, 128, 128, 128, 0.1, 1) == -6
+        assert v3.vlm_causal_attention(*[None] * 4, 4, 4, 2, 2, 64, 128, 128, 128, 128, 0.1, 1, 0) == -6
     if CAUSAL:
         with pytest.raises(ValueError, match="queries"):
             cpu_kernel.causal_attention(LIB, q, q[:2], q[:2], 0.1)  # more queries than keys

@@ -103,9 +103,9 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
     calls: list[tuple[int, int]] = []
     real = cpu_kernel.causal_attention
 
-    def spy(lib, q, k, v, scale, num_threads=None):
+    def spy(lib, q, k, v, scale, num_threads=None, amx=False):
         calls.append((q.shape[0], k.shape[0]))
-        return real(lib, q, k, v, scale, num_threads)
+        return real(lib, q, k, v, scale, num_threads, amx)
 
     monkeypatch.setattr(torch_backend.vision_kernel, "causal_attention", spy)
     bf16_engine.chat(long_prompts()[-1:], SamplingParams(temperature=0, max_tokens=2))
@@ -114,18 +114,19 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
     shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     if backend.name == "cpu" and cpu_kernel.causal_supported(backend.prefill_lib, probe):
         assert shape in backend.causal_choice  # timed at start-up, before any request
-    if backend.name == "cpu" and backend.causal_choice.get(shape):
+    if backend.name == "cpu" and backend.causal_choice.get(shape, "sdpa") != "sdpa":
         assert len(calls) >= 2 and any(lk > lq for lq, lk in calls), calls  # chunked: a cached prefix too
     else:
         assert calls == []
 
 
 def test_prefill_kernel_choice_follows_the_timing(monkeypatch):
-    """The causal kernel is kept only where it timed faster than SDPA: fake clocks make either side slower."""
+    """The causal kernel is kept only where it timed faster than SDPA: fake clocks make either side slower.
+    (No library: no AMX variant to time.)"""
     from encoder.attention import cpu_kernel
     from lm_engine.attention import torch_backend
 
-    monkeypatch.setattr(cpu_kernel, "causal_attention", lambda lib, q, k, v, scale: None)
+    monkeypatch.setattr(cpu_kernel, "causal_attention", lambda lib, q, k, v, scale, amx=False: None)
 
     def clock(slow: str):
         """Called twice a run (start, end); runs alternate kernel, sdpa; the slow side's runs take 10 s."""
@@ -137,6 +138,6 @@ def test_prefill_kernel_choice_follows_the_timing(monkeypatch):
 
         return timer
 
-    for slow, want in (("kernel", False), ("sdpa", True)):
+    for slow, want in (("kernel", "sdpa"), ("sdpa", "kernel")):
         timer = clock(slow)
-        assert torch_backend.causal_kernel_is_faster(None, 4, 2, 16, tokens=32, timer=timer) is want
+        assert torch_backend.fastest_prefill(None, 4, 2, 16, tokens=32, timer=timer) == want
