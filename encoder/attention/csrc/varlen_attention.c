@@ -1047,6 +1047,20 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
     const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows, cols = j->cols;
     for (int64_t r = u * ACT_ROWS; r < r1; r++) {
         int64_t c0 = 0;
+#if HAVE_BF16DOT
+        if (j->bf16) /* 16 lanes, exp2_512 and a refined reciprocal: twice the rate of the generic vectors below */
+            for (; c0 + 16 <= cols; c0 += 16) {
+                uint16_t *x = (uint16_t *)j->x + r * cols + c0;
+                __m512 y = widen_bf16(x);
+                if (j->bias) y = _mm512_add_ps(y, widen_bf16((const uint16_t *)j->bias + c0));
+                const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.702f * -1.4426950408889634f)),
+                                               _mm512_set1_ps(126.0f));
+                const __m512 a = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
+                __m512 inv = _mm512_rcp14_ps(a); /* 2^-14, then one Newton step: float32's rounding */
+                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.0f)));
+                _mm256_storeu_si256((__m256i *)x, bf16_16(_mm512_mul_ps(y, inv)));
+            }
+#endif
         for (; c0 + VW <= cols; c0 += VW) {
             const int64_t i = r * cols + c0;
             const vf out = quick_gelu_v(load_vf(j, j->x, i) + (j->bias ? load_vf(j, j->bias, c0) : vsplat(0.0f)));
