@@ -2,7 +2,7 @@
 per thread, nothing loaded or stored. No matmul or attention on this machine can go faster, so a tower's
 best possible speed-up over another is the peak over the other's achieved rate.
 
-    .venv/bin/python benchmarks/cpu_peak.py            # float32 FMA and bf16 dot-product peaks, 1 s each
+    .venv/bin/python benchmarks/cpu_peak.py            # float32 FMA, bf16 dot-product and AMX peaks, 1 s each
 
 Printed beside the torch matmul rate in the same dtype (the shape ``encoder_throughput.py`` measures), so the
 fraction of the peak the library's matmul reaches is visible too.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from preprocess.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_peak.c"
-KINDS = {"float32": 0, "bfloat16": 1}
+KINDS = {"float32": 0, "bfloat16": 1, "amx-bf16": 2}
 
 
 @functools.cache
@@ -34,12 +34,14 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def peak_gflops(dtype: str, threads: int, seconds: float = 0.5) -> float | None:
-    """GFLOP/s over ``threads`` threads: float32 FMAs, or bf16 dot products (``vdpbf16ps``); ``None`` where
-    there is no compiler or this CPU lacks the instruction (bf16 without AVX512-BF16)."""
+    """GFLOP/s over ``threads`` threads: float32 FMAs, or for bfloat16 the faster of bf16 dot products
+    (``vdpbf16ps``) and AMX tile products (``amx-bf16`` alone: only those); ``None`` where there is no
+    compiler or this CPU lacks the instruction (bf16 without AVX512-BF16 or AMX)."""
     lib = _lib()
     if lib is None:
         return None
-    rate = lib.vlm_peak_gflops(KINDS[dtype], seconds, threads)
+    kinds = [KINDS[dtype]] + ([KINDS["amx-bf16"]] if dtype == "bfloat16" else [])
+    rate = max(lib.vlm_peak_gflops(kind, seconds, threads) for kind in kinds)
     return rate if rate > 0 else None
 
 
@@ -54,6 +56,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU flags: {cpu_flags()}  threads {args.threads}")
+    amx = peak_gflops("amx-bf16", args.threads, args.seconds)
+    print(f"amx-bf16  peak {amx:.0f} GFLOP/s" if amx else "amx-bf16  peak: no AMX tiles here")
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         peak = peak_gflops(name, args.threads, args.seconds)
         if peak is None:

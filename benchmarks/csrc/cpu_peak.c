@@ -2,13 +2,21 @@
  * registers, nothing loaded or stored. What no matmul or attention kernel on this machine can exceed.
  *
  *   vlm_peak_gflops(kind, seconds, threads): kind 0 float32 FMA (the widest the build targets),
- *   kind 1 bf16 dot products (vdpbf16ps); returns GFLOP/s summed over threads, or -1 where this build has
- *   no such instruction. One FMA lane counts 2 flops; one vdpbf16ps lane 4 (two products, two adds).
+ *   kind 1 bf16 dot products (vdpbf16ps), kind 2 bf16 AMX tile products (tdpbf16ps on four accumulator
+ *   tiles); returns GFLOP/s summed over threads, or -1 where this build (or, for AMX, the kernel) gives no
+ *   such instruction. One FMA lane counts 2 flops; one vdpbf16ps lane 4 (two products, two adds); one
+ *   tdpbf16ps 16 × 16 × 32 × 2.
  */
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
 
 #define CHAINS 12
 
@@ -80,6 +88,40 @@ static void *run(void *arg) {
         per_block = (double)block * CHAINS * 16 * 4;
     }
 #endif
+#if defined(HAVE_AMX)
+    if (job->kind == 2) {
+        struct {
+            uint8_t palette, start_row, reserved[14];
+            uint16_t colsb[16];
+            uint8_t rows[16];
+        } cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+        _tile_loadconfig(&cfg);
+        /* zeros: the products stay finite (tile numbers are immediates: no loop) */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        t0 = now();
+        while (now() - t0 < job->seconds) {
+            for (int64_t i = 0; i < block / 16; i++) {
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            blocks++;
+        }
+        _tile_release();
+        per_block = (double)(block / 16) * 4 * 16 * 16 * 32 * 2;
+    }
+#endif
     double dt = now() - t0;
     job->flops = dt > 0 ? blocks * per_block / dt : 0;
     return NULL;
@@ -91,6 +133,12 @@ double vlm_peak_gflops(int kind, double seconds, int threads) {
 #endif
 #if !defined(LANES)
     if (kind == 0) return -1;
+#endif
+#if defined(HAVE_AMX)
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux enables the tile state per process on request */
+    if (kind == 2 && syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+#else
+    if (kind == 2) return -1;
 #endif
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
