@@ -3,7 +3,8 @@
 Built on first use by :mod:`preprocess.native` (the system C compiler, ``-march=native``, cached on disk);
 without a compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the tower keeps
 the torch path. Built where the compiler targets AVX512-BF16, bfloat16 inputs run their two products as
-bf16 dot products (``vdpbf16ps``); elsewhere, and for float32, as float32 FMAs.
+bf16 dot products (``vdpbf16ps``), or as AMX tile products when the caller asks (``amx=True``, where
+:func:`amx_ready`); elsewhere, and for float32, as float32 FMAs.
 """
 
 from __future__ import annotations
