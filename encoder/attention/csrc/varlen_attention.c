@@ -663,6 +663,35 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, int64_t dq
     }
 }
 
+/* One step of the AMX path: the scores of 16 query rows (q's tile qt) against the 64 keys at kb, the online
+ * softmax over the first kv of them (`valid`: causal masks, or NULL), and their accumulators Ot [dim][16 rows]
+ * moved on with vᵀ's 64-key block vb. */
+static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16_t *vb, int64_t d, int64_t dq,
+                            int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l, float *Ot) {
+    __m512 S[KB];
+    __m512i P[KB / 2];
+    const int64_t two = kv > 32;
+    amx_scores(qt, kb, dq);
+    _tile_stored(0, S, 64);
+    _tile_stored(1, S + 16, 64);
+    _tile_stored(2, S + 32, 64);
+    _tile_stored(3, S + 48, 64);
+    const __m512 corr = softmax_tile(S, kv, valid, scale2, m, l, P);
+    for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
+    if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) /* no row's max moved: no rescaling */
+        for (int64_t e = 0; e < d; e++) _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
+    _tile_loadd(6, P, 64);
+    if (two) _tile_loadd(7, P + 16, 64);
+    int64_t dt = 0;
+    for (; dt + 4 <= d / 16; dt += 4) {
+        PV_TILE(0, 4, dt);
+        PV_TILE(1, 5, dt + 1);
+        PV_TILE(2, 4, dt + 2);
+        PV_TILE(3, 5, dt + 3);
+    }
+    for (; dt < d / 16; dt++) PV_TILE(0, 4, dt);
+}
+
 /* NOTE: the tile products and the vector units do not overlap on the Xeon this was written on: 16 tile products
  * with their loads took 77 ns, softmax_tile 162 ns, the two interleaved 246 ns (no dependency between them), and
  * issuing the next step's scores before this step's softmax bought nothing. So the steps run one after the other,
@@ -671,39 +700,16 @@ static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, in
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
     float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows] */
-    __m512 S[KB], m[QB / TR], l[QB / TR];
-    __m512i P[KB / 2];
-    const __m512 one = _mm512_set1_ps(1.0f);
+    __m512 m[QB / TR], l[QB / TR];
     memset(Ots, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
     amx_config();
     const uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t k0 = 0; k0 < len; k0 += KB) { /* segments are padded to 64 rows: all four key tiles exist */
-        const int64_t kv = len - k0 < KB ? len - k0 : KB, two = kv > 32;
-        const uint16_t *kb = kp + (base + k0) * dq, *vb = vp + (base + k0) * d;
-        for (int64_t t = 0; t < tiles; t++) {
-            amx_scores(qp + (base + r0 + t * TR) * dq, kb, dq);
-            _tile_stored(0, S, 64);
-            _tile_stored(1, S + 16, 64);
-            _tile_stored(2, S + 32, 64);
-            _tile_stored(3, S + 48, 64);
-            const __m512 corr = softmax_tile(S, kv, NULL, j->scale2, m + t, l + t, P);
-            for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
-            float *Ot = Ots + t * d * TR;
-            if (_mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ)) /* no row's max moved: nothing to rescale */
-                for (int64_t e = 0; e < d; e++)
-                    _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
-            _tile_loadd(6, P, 64);
-            if (two) _tile_loadd(7, P + 16, 64);
-            int64_t dt = 0;
-            for (; dt + 4 <= d / 16; dt += 4) {
-                PV_TILE(0, 4, dt);
-                PV_TILE(1, 5, dt + 1);
-                PV_TILE(2, 4, dt + 2);
-                PV_TILE(3, 5, dt + 3);
-            }
-            for (; dt < d / 16; dt++) PV_TILE(0, 4, dt);
-        }
+        const int64_t kv = len - k0 < KB ? len - k0 : KB;
+        for (int64_t t = 0; t < tiles; t++)
+            amx_step(qp + (base + r0 + t * TR) * dq, kp + (base + k0) * dq, vp + (base + k0) * d, d, dq, kv, NULL,
+                     j->scale2, m + t, l + t, Ots + t * d * TR);
     }
     _tile_release();
     const int64_t stride = j->heads * d;
@@ -1216,49 +1222,27 @@ static void causal_unit_amx(job_t *jb, int64_t u) {
     const int64_t r0 = c * QB, rows = j->lq - r0 < QB ? j->lq - r0 : QB, tiles = (rows + TR - 1) / TR;
     const int64_t pos0 = j->lk - j->lq + r0; /* position of the unit's first row */
     float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64)));
-    __m512 S[KB], m[QB / TR], l[QB / TR];
-    __m512i P[KB / 2];
+    __m512 m[QB / TR], l[QB / TR];
     __mmask16 valid[KB];
-    const __m512 one = _mm512_set1_ps(1.0f);
     memset(Ots, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
     amx_config();
     const uint16_t *kt = j->kp + g * j->pk * dq, *vt = j->vp + g * j->pk * d;
     const int64_t kend = pos0 + rows; /* keys the unit's last row sees */
     for (int64_t k0 = 0; k0 < kend; k0 += KB) { /* k0 + 64 <= pk: all four key tiles of a block exist */
-        const uint16_t *vb = vt + k0 * d;
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t first = pos0 + t * TR, tile_rows = rows - t * TR < TR ? rows - t * TR : TR;
             const int64_t last = first + tile_rows - 1;
             if (k0 > last) continue; /* every key of the block is after every row of the tile */
-            const int64_t kv = last + 1 - k0 < KB ? last + 1 - k0 : KB, two = kv > 32;
-            amx_scores(j->qp + (h * j->pq + r0 + t * TR) * dq, kt + k0 * dq, dq);
-            _tile_stored(0, S, 64);
-            _tile_stored(1, S + 16, 64);
-            _tile_stored(2, S + 32, 64);
-            _tile_stored(3, S + 48, 64);
+            const int64_t kv = last + 1 - k0 < KB ? last + 1 - k0 : KB;
             const int diagonal = k0 + kv - 1 > first;
             if (diagonal)
                 for (int64_t i = 0; i < kv; i++) { /* lanes r with first + r >= k0 + i */
                     const int64_t skip = k0 + i - first;
                     valid[i] = skip <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << skip);
                 }
-            const __m512 corr = softmax_tile(S, kv, diagonal ? valid : NULL, jb->scale2, m + t, l + t, P);
-            for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
-            float *Ot = Ots + t * d * TR;
-            if (_mm512_cmp_ps_mask(corr, one, _CMP_NEQ_UQ))
-                for (int64_t e = 0; e < d; e++)
-                    _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
-            _tile_loadd(6, P, 64);
-            if (two) _tile_loadd(7, P + 16, 64);
-            int64_t dt = 0;
-            for (; dt + 4 <= d / 16; dt += 4) {
-                PV_TILE(0, 4, dt);
-                PV_TILE(1, 5, dt + 1);
-                PV_TILE(2, 4, dt + 2);
-                PV_TILE(3, 5, dt + 3);
-            }
-            for (; dt < d / 16; dt++) PV_TILE(0, 4, dt);
+            amx_step(j->qp + (h * j->pq + r0 + t * TR) * dq, kt + k0 * dq, vt + k0 * d, d, dq, kv,
+                     diagonal ? valid : NULL, jb->scale2, m + t, l + t, Ots + t * d * TR);
         }
     }
     _tile_release();
