@@ -271,9 +271,6 @@ static inline __m256i bf16_16(__m512 x) {
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rne, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet));
 }
 
-#endif
-
-#if HAVE_BF16DOT
 static inline __m512 widen_bf16(const uint16_t *p) { /* 16 bfloat16 → float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -349,7 +346,7 @@ static inline void transpose_words(const uint16_t *const in[16], int64_t words, 
  * rounded once (as load_row), staged as rows and turned into their tiles 16 × 16 words at a time; v read from
  * the rows as it is and turned into its layout in registers. NOTE: written row by row, each value to its place,
  * the layouts cost a store per pair (q, k) or value (v) to lines 64 or 128 bytes apart, past L1 for a chunk of
- * 16 heads: 7 of 28 ms of a 2 × 1024-patch, 16-head call on a Xeon. */
+ * 16 heads: 8.4 of 34 ms of a 2 × 1024-patch, 16-head × 80 call on a Xeon (one thread; 3.0 ms now). */
 static void pack_unit_bf16(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate(j, u * j->heads, &s, &h, &c);
@@ -693,9 +690,9 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
 }
 
 /* NOTE: the tile products and the vector units do not overlap on the Xeon this was written on: 16 tile products
- * with their loads took 77 ns, softmax_tile 162 ns, the two interleaved 246 ns (no dependency between them), and
- * issuing the next step's scores before this step's softmax bought nothing. So the steps run one after the other,
- * and the softmax, not the products, is most of a step. */
+ * with their loads took 77 ns, softmax_tile 162 ns (before its chains moved to registers; 125-135 since), the two
+ * interleaved 246 ns (no dependency between them), and issuing the next step's scores before this step's softmax
+ * bought nothing. So the steps run one after the other, and the softmax, not the products, is most of a step. */
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
@@ -909,7 +906,7 @@ enum { VISION_POOL, PREFILL_POOL, POOLS };
 static pool_t pools[POOLS] = {POOL_INIT, POOL_INIT};
 
 /* NOTE: freed and allocated anew in every call, buffers of a few MB came back from the kernel as fresh pages to
- * be zeroed: 8 % of a tower's attention time on a Xeon (clear_page_erms). */
+ * be zeroed: 8 % of a loop of attention calls on a Xeon (clear_page_erms in perf). */
 #define SCRATCH_KEEP ((size_t)64 << 20)
 
 /* `bytes` of 64-byte aligned scratch for a call holding pool->call, or NULL. */
