@@ -36,6 +36,14 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     fn.argtypes = [_PTR] * 4 + [_I64, _PTR] + [_I64] * 4 + [ctypes.c_float, _I64, _I64]
     lib.vlm_varlen_attention_isa.restype = ctypes.c_char_p
     lib.vlm_amx_ready.restype = ctypes.c_int
+    silu = lib.vlm_silu_mul
+    silu.restype = ctypes.c_int
+    # gate, up, out, elements, dtype, threads
+    silu.argtypes = [_PTR] * 3 + [_I64] * 3
+    norm = lib.vlm_rms_norm
+    norm.restype = ctypes.c_int
+    # x, weight, out, rows, cols, eps, dtype, threads
+    norm.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _I64, _I64]
     act = lib.vlm_bias_quick_gelu
     act.restype = ctypes.c_int
     # x, bias, rows, cols, dtype, threads
@@ -194,3 +202,49 @@ def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | Non
     if rc != 0:
         raise RuntimeError(f"bias_quick_gelu_ kernel failed (code {rc})")
     return x
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight · round(x · rsqrt(mean(x²) + eps))`` over the last dimension, as the towers' RMSNorm computes it
+    (float32 inside, the normalised row rounded to x's dtype before the weight), in one pass over x."""
+    if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm: unsupported {x.dtype} {x.device} input, {weight.dtype} weight")
+    cols = x.shape[-1]
+    if weight.shape != (cols,):
+        raise ValueError(f"weight must be [{cols}]")
+    x, weight = x.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    rc = lib.vlm_rms_norm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // cols,
+        cols,
+        eps,
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"rms_norm kernel failed (code {rc})")
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` as torch computes it in the input dtype (silu rounded, then the product), one pass."""
+    if gate.dtype not in _DTYPE_CODES or gate.device.type != "cpu" or up.dtype != gate.dtype:
+        raise ValueError(f"silu_mul: unsupported {gate.dtype}/{up.dtype} {gate.device} inputs")
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: shapes {tuple(gate.shape)} and {tuple(up.shape)} differ")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    rc = lib.vlm_silu_mul(
+        gate.data_ptr(),
+        up.data_ptr(),
+        out.data_ptr(),
+        gate.numel(),
+        _DTYPE_CODES[gate.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise RuntimeError(f"silu_mul kernel failed (code {rc})")
+    return out

@@ -167,6 +167,45 @@ def test_bias_quick_gelu_matches_torch(dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols", [384, 1280, 100])  # 100: a tail past the vectors
+def test_rms_norm_matches_the_towers_torch_norm(dtype, cols):
+    """Against the tower's own torch RMSNorm (transformers' formula): float32 to its rounding, bf16 equal but for
+    rare one-step differences (the sum of squares is added in another order)."""
+    from encoder.models.qwen2_5_vl import RMSNorm
+
+    gen = torch.Generator().manual_seed(cols)
+    norm = RMSNorm(cols).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(cols, generator=gen) * 2)
+    x = (torch.randn(300, cols, generator=gen) * 5).to(dtype)
+    want = norm(x)
+    got = cpu_kernel.rms_norm(LIB, x, norm.weight.detach(), norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    else:
+        assert (got != want).float().mean() < 1e-3
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(5)
+    gate = (torch.randn(70, 1000, generator=gen) * 4).to(dtype)  # 70 000: a tail past the 4096-element units
+    up = torch.randn(70, 1000, generator=gen).to(dtype)
+    want = F.silu(gate) * up
+    got = cpu_kernel.silu_mul(LIB, gate, up)
+    assert got.dtype == dtype and got.shape == gate.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-6)
+    else:  # silu rounded then the product, as torch: rare one-step differences where silu's exp differs in its last bit
+        assert (got != want).float().mean() < 3e-3
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1.6e-2)
+    with pytest.raises(ValueError, match="differ"):
+        cpu_kernel.silu_mul(LIB, gate, up[:, :10])
+
+
 # --------------------------------------------------------------- the decoder's causal prefill (bf16 only)
 
 CAUSAL = cpu_kernel.causal_supported(LIB, torch.empty(1, 1, 64, dtype=torch.bfloat16))

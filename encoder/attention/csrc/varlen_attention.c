@@ -292,6 +292,10 @@ static inline __m256i bf16_16(__m512 x) {
 static inline __m512 widen_bf16(const uint16_t *p) { /* 16 bfloat16 → float32 */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+
+static inline __m512 widen_bf16_vec(__m256i h) { /* 16 bfloat16 in a register → float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 #endif
 
 /* One head's q or k of a bfloat16 row (src: its d values) into dst, rotated in float32 and rounded once; with no
@@ -1124,6 +1128,170 @@ int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, i
     j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
     j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
     j.base.unit = quick_gelu_unit;
+    pool_t *pool = &pools[VISION_POOL];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &j.base, threads);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+typedef struct {
+    job_t base; /* only units / next / unit are used */
+    const void *x, *weight;
+    void *out;
+    int64_t rows, cols, bf16;
+    float eps;
+} norm_job_t;
+
+static inline vf load_elems(const void *p, int64_t i, int64_t bf16) {
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return (vf)(__builtin_convertvector(h, vu) << 16);
+    }
+    vf x;
+    memcpy(&x, (const float *)p + i, sizeof x);
+    return x;
+}
+
+static inline vf round_bf16(vf x) { /* f32_to_bf16 and back, on VW lanes (round to nearest even, NaN quiet) */
+    const vu w = (vu)x;
+    const vu rne = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
+    return (vf)(((nan & ((w >> 16) | 0x40u)) | (~nan & rne)) << 16);
+}
+
+static inline void store_elems(void *p, int64_t i, vf x, int64_t bf16) {
+    if (bf16) {
+        const vh h = __builtin_convertvector((vu)round_bf16(x) >> 16, vh);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &x, sizeof x);
+    }
+}
+
+/* Rows [16u, 16u + 16): out = weight · round(x · rsqrt(mean(x²) + eps)), as transformers' Qwen2RMSNorm computes it
+ * (in float32; the normalised row rounded to the input dtype before the weight, the product rounded again). */
+static void rms_norm_unit(job_t *jb, int64_t u) {
+    const norm_job_t *j = (const norm_job_t *)jb;
+    const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows, cols = j->cols;
+    const int64_t full = cols / VW * VW;
+    for (int64_t r = u * ACT_ROWS; r < r1; r++) {
+        const int64_t row = r * cols;
+        vf acc = {};
+        for (int64_t c = 0; c < full; c += VW) {
+            const vf x = load_elems(j->x, row + c, j->bf16);
+            acc += x * x;
+        }
+        float ss = vsum_all(acc);
+        for (int64_t c = full; c < cols; c++) {
+            const float x = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[row + c]) : ((const float *)j->x)[row + c];
+            ss += x * x;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)cols + j->eps);
+        for (int64_t c = 0; c < full; c += VW) {
+            vf t = load_elems(j->x, row + c, j->bf16) * inv;
+            if (j->bf16) t = round_bf16(t);
+            store_elems(j->out, row + c, load_elems(j->weight, c, j->bf16) * t, j->bf16);
+        }
+        for (int64_t c = full; c < cols; c++) {
+            if (j->bf16) {
+                const float t = bf16_to_f32(f32_to_bf16(bf16_to_f32(((const uint16_t *)j->x)[row + c]) * inv));
+                ((uint16_t *)j->out)[row + c] = f32_to_bf16(bf16_to_f32(((const uint16_t *)j->weight)[c]) * t);
+            } else {
+                ((float *)j->out)[row + c] = ((const float *)j->weight)[c] * (((const float *)j->x)[row + c] * inv);
+            }
+        }
+    }
+}
+
+/* out [rows, cols] = RMSNorm(x) · weight (x, weight and out all float32 or all bfloat16); one pass over x where
+ * torch makes seven (the float32 copy, square, mean, rsqrt, scale, the rounding copy, the weight). */
+int vlm_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t cols, float eps, int64_t dtype,
+                 int64_t threads) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (rows < 0 || cols <= 0) return -3;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    norm_job_t j;
+    memset(&j, 0, sizeof j);
+    j.x = x, j.weight = weight, j.out = out, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1, j.eps = eps;
+    j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
+    j.base.unit = rms_norm_unit;
+    pool_t *pool = &pools[VISION_POOL];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &j.base, threads);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the gated MLP's silu(gate) · up */
+
+typedef struct {
+    job_t base; /* only units / next / unit are used */
+    const void *gate, *up;
+    void *out;
+    int64_t n, bf16;
+} silu_job_t;
+
+#define SILU_BLOCK 4096 /* elements a unit */
+
+/* silu(g) = g / (1 + 2^t), t = -g · log2 e (exp2_v holds for t <= 126) */
+static inline vf silu_v(vf g) {
+    vf t = g * -1.4426950408889634f;
+    t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
+    return g / (1.0f + exp2_v(t));
+}
+
+/* out = round(round(silu(gate)) · up) over elements [4096u, 4096u + 4096): as torch computes silu(gate) * up in
+ * the input dtype (each op in float32, rounded to the dtype), in one pass instead of two. */
+static void silu_mul_unit(job_t *jb, int64_t u) {
+    const silu_job_t *j = (const silu_job_t *)jb;
+    const int64_t i1 = (u + 1) * SILU_BLOCK < j->n ? (u + 1) * SILU_BLOCK : j->n;
+    int64_t i = u * SILU_BLOCK;
+#if HAVE_BF16DOT
+    if (j->bf16) /* 16 lanes, exp2_512 and a refined reciprocal, as quick_gelu_unit */
+        for (; i + 16 <= i1; i += 16) {
+            const __m512 g = widen_bf16((const uint16_t *)j->gate + i);
+            const __m512 t = _mm512_min_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)),
+                                           _mm512_set1_ps(126.0f));
+            const __m512 a = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
+            __m512 inv = _mm512_rcp14_ps(a);
+            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.0f)));
+            const __m512 sr = widen_bf16_vec(bf16_16(_mm512_mul_ps(g, inv))); /* silu rounded, as torch's */
+            const __m512 up = widen_bf16((const uint16_t *)j->up + i);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)j->out + i), bf16_16(_mm512_mul_ps(sr, up)));
+        }
+#endif
+    for (; i + VW <= i1; i += VW) {
+        vf sg = silu_v(load_elems(j->gate, i, j->bf16));
+        if (j->bf16) sg = round_bf16(sg);
+        store_elems(j->out, i, sg * load_elems(j->up, i, j->bf16), j->bf16);
+    }
+    for (; i < i1; i++) {
+        const float g = j->bf16 ? bf16_to_f32(((const uint16_t *)j->gate)[i]) : ((const float *)j->gate)[i];
+        const float up = j->bf16 ? bf16_to_f32(((const uint16_t *)j->up)[i]) : ((const float *)j->up)[i];
+        float sg = g / (1.0f + expf(-g));
+        if (j->bf16) {
+            sg = bf16_to_f32(f32_to_bf16(sg));
+            ((uint16_t *)j->out)[i] = f32_to_bf16(sg * up);
+        } else {
+            ((float *)j->out)[i] = sg * up;
+        }
+    }
+}
+
+/* out[n] = silu(gate) · up (all float32 or all bfloat16, contiguous). */
+int vlm_silu_mul(const void *gate, const void *up, void *out, int64_t n, int64_t dtype, int64_t threads) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (n < 0) return -3;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    silu_job_t j;
+    memset(&j, 0, sizeof j);
+    j.gate = gate, j.up = up, j.out = out, j.n = n, j.bf16 = dtype == 1;
+    j.base.units = (n + SILU_BLOCK - 1) / SILU_BLOCK;
+    j.base.unit = silu_mul_unit;
     pool_t *pool = &pools[VISION_POOL];
     pthread_mutex_lock(&pool->call);
     dispatch(pool, &j.base, threads);
