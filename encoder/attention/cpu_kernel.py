@@ -68,6 +68,13 @@ def amx_ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.vlm_amx_ready())
 
 
+def _run(fn, name: str, *args) -> None:
+    """One of the library's entry points; a nonzero return is its refusal code."""
+    rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"{name} kernel failed (code {rc})")
+
+
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     return dtype in _DTYPE_CODES and head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
@@ -98,7 +105,9 @@ def varlen_attention(
         if cos.shape != (n, d // 2) or sin.shape != (n, d // 2):
             raise ValueError(f"rotary tables must be [{n}, {d // 2}]")
     out = qkv.new_empty(n, h * d)
-    rc = lib.vlm_varlen_attention(
+    _run(
+        lib.vlm_varlen_attention,
+        "varlen attention",
         qkv.data_ptr(),
         cos.data_ptr() if cos is not None else None,
         sin.data_ptr() if sin is not None else None,
@@ -113,8 +122,6 @@ def varlen_attention(
         max(1, int(num_threads or torch.get_num_threads())),
         int(amx),
     )
-    if rc != 0:
-        raise RuntimeError(f"varlen attention kernel failed (code {rc})")
     return out
 
 
@@ -158,7 +165,9 @@ def causal_attention(
     # rows may be strided (views of a fused projection); the heads of a row must be packed
     q, k, v = (t if t.stride(2) == 1 and t.stride(1) == d else t.contiguous() for t in (q, k, v))
     out = q.new_empty(lq, heads, d)
-    rc = lib.vlm_causal_attention(
+    _run(
+        lib.vlm_causal_attention,
+        "causal attention",
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
@@ -176,8 +185,6 @@ def causal_attention(
         max(1, int(num_threads or torch.get_num_threads())),
         int(amx),
     )
-    if rc != 0:
-        raise RuntimeError(f"causal attention kernel failed (code {rc})")
     return out
 
 
@@ -191,7 +198,9 @@ def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | Non
         if bias.shape != (x.shape[-1],):
             raise ValueError(f"bias must be [{x.shape[-1]}]")
     cols = x.shape[-1]
-    rc = lib.vlm_bias_quick_gelu(
+    _run(
+        lib.vlm_bias_quick_gelu,
+        "bias_quick_gelu_",
         x.data_ptr(),
         bias.data_ptr() if bias is not None else None,
         x.numel() // cols,
@@ -199,8 +208,6 @@ def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | Non
         _DTYPE_CODES[x.dtype],
         torch.get_num_threads(),
     )
-    if rc != 0:
-        raise RuntimeError(f"bias_quick_gelu_ kernel failed (code {rc})")
     return x
 
 
@@ -214,7 +221,9 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         raise ValueError(f"weight must be [{cols}]")
     x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
-    rc = lib.vlm_rms_norm(
+    _run(
+        lib.vlm_rms_norm,
+        "rms_norm",
         x.data_ptr(),
         weight.data_ptr(),
         out.data_ptr(),
@@ -224,8 +233,6 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         _DTYPE_CODES[x.dtype],
         torch.get_num_threads(),
     )
-    if rc != 0:
-        raise RuntimeError(f"rms_norm kernel failed (code {rc})")
     return out
 
 
@@ -237,7 +244,9 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         raise ValueError(f"silu_mul: shapes {tuple(gate.shape)} and {tuple(up.shape)} differ")
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    rc = lib.vlm_silu_mul(
+    _run(
+        lib.vlm_silu_mul,
+        "silu_mul",
         gate.data_ptr(),
         up.data_ptr(),
         out.data_ptr(),
@@ -245,6 +254,4 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         _DTYPE_CODES[gate.dtype],
         torch.get_num_threads(),
     )
-    if rc != 0:
-        raise RuntimeError(f"silu_mul kernel failed (code {rc})")
     return out

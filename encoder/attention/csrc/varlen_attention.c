@@ -1119,20 +1119,24 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
     }
 }
 
+/* An elementwise job's `units` on the vision pool (the tower's kernels share it); returns 0. */
+static int run_elementwise(job_t *j, int64_t units, void (*unit)(job_t *, int64_t), int64_t threads) {
+    j->units = units;
+    j->unit = unit;
+    pool_t *pool = &pools[VISION_POOL];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, j, threads > MAX_THREADS ? MAX_THREADS : threads);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
+
 int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
     if (dtype != 0 && dtype != 1) return -2;
     if (rows < 0 || cols <= 0) return -3;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     act_job_t j;
     memset(&j, 0, sizeof j);
     j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
-    j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
-    j.base.unit = quick_gelu_unit;
-    pool_t *pool = &pools[VISION_POOL];
-    pthread_mutex_lock(&pool->call);
-    dispatch(pool, &j.base, threads);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
+    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, quick_gelu_unit, threads);
 }
 
 /* ---------------------------------------------------------------- RMSNorm */
@@ -1213,17 +1217,10 @@ int vlm_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int
                  int64_t threads) {
     if (dtype != 0 && dtype != 1) return -2;
     if (rows < 0 || cols <= 0) return -3;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     norm_job_t j;
     memset(&j, 0, sizeof j);
     j.x = x, j.weight = weight, j.out = out, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1, j.eps = eps;
-    j.base.units = (rows + ACT_ROWS - 1) / ACT_ROWS;
-    j.base.unit = rms_norm_unit;
-    pool_t *pool = &pools[VISION_POOL];
-    pthread_mutex_lock(&pool->call);
-    dispatch(pool, &j.base, threads);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
+    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, rms_norm_unit, threads);
 }
 
 /* ---------------------------------------------------------------- the gated MLP's silu(gate) · up */
@@ -1286,17 +1283,10 @@ static void silu_mul_unit(job_t *jb, int64_t u) {
 int vlm_silu_mul(const void *gate, const void *up, void *out, int64_t n, int64_t dtype, int64_t threads) {
     if (dtype != 0 && dtype != 1) return -2;
     if (n < 0) return -3;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     silu_job_t j;
     memset(&j, 0, sizeof j);
     j.gate = gate, j.up = up, j.out = out, j.n = n, j.bf16 = dtype == 1;
-    j.base.units = (n + SILU_BLOCK - 1) / SILU_BLOCK;
-    j.base.unit = silu_mul_unit;
-    pool_t *pool = &pools[VISION_POOL];
-    pthread_mutex_lock(&pool->call);
-    dispatch(pool, &j.base, threads);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
+    return run_elementwise(&j.base, (n + SILU_BLOCK - 1) / SILU_BLOCK, silu_mul_unit, threads);
 }
 
 /* ---------------------------------------------------------------- causal attention: a decoder's prefill */
