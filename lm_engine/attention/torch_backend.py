@@ -119,29 +119,31 @@ class CpuBackend(TorchBackend):
         )
 
     def prefill(self, q, k, v, k_cache, v_cache, block_table, context_len, scale) -> torch.Tensor:
-        if not self.causal_kernel_pays(q, k):
+        choice = self.prefill_choice(q, k)
+        if choice == "sdpa":
             return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
         keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
-        amx = self.causal_choice[(q.shape[1], k.shape[1], q.shape[2])] == "kernel-amx"
-        return vision_kernel.causal_attention(self.prefill_lib, q, keys, values, scale, amx=amx)
+        return vision_kernel.causal_attention(
+            self.prefill_lib, q, keys, values, scale, amx=choice == "kernel-amx"
+        )
 
     def warmup(self, k_cache, v_cache, num_heads, max_model_len) -> None:
         """Settle the prefill kernel choice for the model's shape now, not on the first request."""
         _, _, kv_heads, head_dim = k_cache.shape
-        self.causal_kernel_pays(
+        self.prefill_choice(
             torch.empty(1, num_heads, head_dim, dtype=k_cache.dtype), k_cache.new_empty(1, kv_heads, head_dim)
         )
 
-    def causal_kernel_pays(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether this prefill runs the causal kernel: where it applies and, timed once per shape (at start-up:
-        see :meth:`warmup`), it (or its AMX variant) beats SDPA (where AMX runs torch's attention, the vdpbf16ps
-        kernel may not)."""
+    def prefill_choice(self, q: torch.Tensor, k: torch.Tensor) -> str:
+        """What runs this prefill: ``sdpa`` where the causal kernel does not apply, else the fastest of SDPA, the
+        kernel and its AMX variant, timed once per shape (at start-up: see :meth:`warmup`; where AMX runs torch's
+        attention, the vdpbf16ps kernel may not beat it)."""
         if not vision_kernel.causal_supported(self.prefill_lib, q):
-            return False
+            return "sdpa"
         shape = (q.shape[1], k.shape[1], q.shape[2])
         if shape not in self.causal_choice:
             self.causal_choice[shape] = fastest_prefill(self.prefill_lib, *shape)
-        return self.causal_choice[shape] != "sdpa"
+        return self.causal_choice[shape]
 
 
 def fastest_prefill(
