@@ -373,7 +373,7 @@ static void pack_unit_bf16(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate(j, u * j->heads, &s, &h, &c);
     const int64_t start = j->cu[s], len = j->cu[s + 1] - start, d = j->d, heads = j->heads;
-    const int64_t dq = j->amx ? j->dq : d, half = d / 2;
+    const int64_t dq = j->dq, half = d / 2; /* dq == d off AMX */
     uint16_t qs[16 * MAX_D] __attribute__((aligned(64))), ks[16 * MAX_D] __attribute__((aligned(64)));
     uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t g = 0; g < QB / 16; g++) {
@@ -1048,23 +1048,52 @@ typedef struct {
 typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2), aligned(2)));
 
-static inline vf load_vf(const act_job_t *j, const void *base, int64_t i) {
-    if (j->bf16) {
-        vh x;
-        memcpy(&x, (const uint16_t *)base + i, sizeof x);
-        return (vf)(__builtin_convertvector(x, vu) << 16);
+/* VW elements of a float32 or bfloat16 array, in float32; and back, rounded as f32_to_bf16. */
+static inline vf load_elems(const void *p, int64_t i, int64_t bf16) {
+    if (bf16) {
+        vh h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        return (vf)(__builtin_convertvector(h, vu) << 16);
     }
     vf x;
-    memcpy(&x, (const float *)base + i, sizeof x);
+    memcpy(&x, (const float *)p + i, sizeof x);
     return x;
 }
 
-/* quick_gelu(y) = y · sigmoid(1.702 y) = y / (1 + 2^t), t = -1.702 y · log2 e (exp2_v holds for t <= 126) */
-static inline vf quick_gelu_v(vf y) {
-    vf t = y * (1.702f * -1.4426950408889634f);
+static inline vf round_bf16(vf x) { /* f32_to_bf16 and back, on VW lanes (round to nearest even, NaN quiet) */
+    const vu w = (vu)x;
+    const vu rne = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
+    return (vf)(((nan & ((w >> 16) | 0x40u)) | (~nan & rne)) << 16);
+}
+
+static inline void store_elems(void *p, int64_t i, vf x, int64_t bf16) {
+    if (bf16) {
+        const vh h = __builtin_convertvector((vu)round_bf16(x) >> 16, vh);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &x, sizeof x);
+    }
+}
+
+/* y · sigmoid(a·y) = y / (1 + 2^t), t = -a·y · log2 e, clamped where exp2_v holds (t <= 126): quick_gelu with
+ * a = 1.702, silu with a = 1. */
+static inline vf y_sigmoid_v(vf y, float a) {
+    vf t = y * (a * -1.4426950408889634f);
     t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
     return y / (1.0f + exp2_v(t));
 }
+
+#if HAVE_BF16DOT
+/* The same on 16 lanes with exp2_512 and a refined reciprocal (2^-14, then one Newton step: float32's rounding). */
+static inline __m512 y_sigmoid_512(__m512 y, float a) {
+    const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(a * -1.4426950408889634f)), _mm512_set1_ps(126.0f));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(y, inv);
+}
+#endif
 
 /* x = quick_gelu(x + bias), in float32, rounded once (to nearest even, as f32_to_bf16); rows [16u, 16u + 16). */
 static void quick_gelu_unit(job_t *jb, int64_t u) {
@@ -1078,26 +1107,13 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
                 uint16_t *x = (uint16_t *)j->x + r * cols + c0;
                 __m512 y = widen_bf16(x);
                 if (j->bias) y = _mm512_add_ps(y, widen_bf16((const uint16_t *)j->bias + c0));
-                const __m512 t = _mm512_min_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.702f * -1.4426950408889634f)),
-                                               _mm512_set1_ps(126.0f));
-                const __m512 a = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
-                __m512 inv = _mm512_rcp14_ps(a); /* 2^-14, then one Newton step: float32's rounding */
-                inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.0f)));
-                _mm256_storeu_si256((__m256i *)x, bf16_16(_mm512_mul_ps(y, inv)));
+                _mm256_storeu_si256((__m256i *)x, bf16_16(y_sigmoid_512(y, 1.702f)));
             }
 #endif
         for (; c0 + VW <= cols; c0 += VW) {
             const int64_t i = r * cols + c0;
-            const vf out = quick_gelu_v(load_vf(j, j->x, i) + (j->bias ? load_vf(j, j->bias, c0) : vsplat(0.0f)));
-            if (j->bf16) {
-                const vu w = (vu)out;
-                const vu rne = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
-                const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
-                const vh h = __builtin_convertvector((nan & ((w >> 16) | 0x40u)) | (~nan & rne), vh);
-                memcpy((uint16_t *)j->x + i, &h, sizeof h);
-            } else {
-                memcpy((float *)j->x + i, &out, sizeof out);
-            }
+            const vf y = load_elems(j->x, i, j->bf16) + (j->bias ? load_elems(j->bias, c0, j->bf16) : vsplat(0.0f));
+            store_elems(j->x, i, y_sigmoid_v(y, 1.702f), j->bf16);
         }
         if (c0 == cols) continue;
         float y[VW] = {0};
@@ -1110,7 +1126,7 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
         }
         vf v;
         memcpy(&v, y, sizeof v);
-        v = quick_gelu_v(v);
+        v = y_sigmoid_v(v, 1.702f);
         for (int64_t e = 0; c0 + e < cols; e++) {
             const int64_t i = r * cols + c0 + e;
             if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(v[e]);
@@ -1148,33 +1164,6 @@ typedef struct {
     int64_t rows, cols, bf16;
     float eps;
 } norm_job_t;
-
-static inline vf load_elems(const void *p, int64_t i, int64_t bf16) {
-    if (bf16) {
-        vh h;
-        memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        return (vf)(__builtin_convertvector(h, vu) << 16);
-    }
-    vf x;
-    memcpy(&x, (const float *)p + i, sizeof x);
-    return x;
-}
-
-static inline vf round_bf16(vf x) { /* f32_to_bf16 and back, on VW lanes (round to nearest even, NaN quiet) */
-    const vu w = (vu)x;
-    const vu rne = (w + 0x7fffu + ((w >> 16) & 1u)) >> 16;
-    const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
-    return (vf)(((nan & ((w >> 16) | 0x40u)) | (~nan & rne)) << 16);
-}
-
-static inline void store_elems(void *p, int64_t i, vf x, int64_t bf16) {
-    if (bf16) {
-        const vh h = __builtin_convertvector((vu)round_bf16(x) >> 16, vh);
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        memcpy((float *)p + i, &x, sizeof x);
-    }
-}
 
 /* Rows [16u, 16u + 16): out = weight · round(x · rsqrt(mean(x²) + eps)), as transformers' Qwen2RMSNorm computes it
  * (in float32; the normalised row rounded to the input dtype before the weight, the product rounded again). */
@@ -1234,13 +1223,6 @@ typedef struct {
 
 #define SILU_BLOCK 4096 /* elements a unit */
 
-/* silu(g) = g / (1 + 2^t), t = -g · log2 e (exp2_v holds for t <= 126) */
-static inline vf silu_v(vf g) {
-    vf t = g * -1.4426950408889634f;
-    t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
-    return g / (1.0f + exp2_v(t));
-}
-
 /* out = round(round(silu(gate)) · up) over elements [4096u, 4096u + 4096): as torch computes silu(gate) * up in
  * the input dtype (each op in float32, rounded to the dtype), in one pass instead of two. */
 static void silu_mul_unit(job_t *jb, int64_t u) {
@@ -1251,18 +1233,13 @@ static void silu_mul_unit(job_t *jb, int64_t u) {
     if (j->bf16) /* 16 lanes, exp2_512 and a refined reciprocal, as quick_gelu_unit */
         for (; i + 16 <= i1; i += 16) {
             const __m512 g = widen_bf16((const uint16_t *)j->gate + i);
-            const __m512 t = _mm512_min_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)),
-                                           _mm512_set1_ps(126.0f));
-            const __m512 a = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
-            __m512 inv = _mm512_rcp14_ps(a);
-            inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(a, inv, _mm512_set1_ps(2.0f)));
-            const __m512 sr = widen_bf16_vec(bf16_16(_mm512_mul_ps(g, inv))); /* silu rounded, as torch's */
+            const __m512 sr = widen_bf16_vec(bf16_16(y_sigmoid_512(g, 1.0f))); /* silu rounded, as torch's */
             const __m512 up = widen_bf16((const uint16_t *)j->up + i);
             _mm256_storeu_si256((__m256i *)((uint16_t *)j->out + i), bf16_16(_mm512_mul_ps(sr, up)));
         }
 #endif
     for (; i + VW <= i1; i += VW) {
-        vf sg = silu_v(load_elems(j->gate, i, j->bf16));
+        vf sg = y_sigmoid_v(load_elems(j->gate, i, j->bf16), 1.0f);
         if (j->bf16) sg = round_bf16(sg);
         store_elems(j->out, i, sg * load_elems(j->up, i, j->bf16), j->bf16);
     }
