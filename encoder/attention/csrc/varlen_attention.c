@@ -639,6 +639,9 @@ static void amx_request(void) {
     amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
 }
 
+/* Every unit loads the configuration and releases the tiles at its end. NOTE: configuring once per thread was
+ * tried: the calling thread also runs torch, whose oneDNN kernels load their own configurations and release the
+ * tiles, and the next tile instruction of ours then faulted (illegal instruction). */
 static void amx_config(void) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
