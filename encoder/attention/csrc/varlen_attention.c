@@ -639,9 +639,9 @@ static void amx_request(void) {
     amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
 }
 
-/* Every unit loads the configuration and releases the tiles at its end. NOTE: configuring once per thread was
- * tried: the calling thread also runs torch, whose oneDNN kernels load their own configurations and release the
- * tiles, and the next tile instruction of ours then faulted (illegal instruction). */
+/* Every unit loads the configuration and releases the tiles at its end. NOTE: configuring once per thread and
+ * never releasing was tried and faulted (illegal instruction) in a loop of calls; the cause was not pinned down.
+ * The calling thread also runs torch, whose oneDNN kernels load and release configurations of their own. */
 static void amx_config(void) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
