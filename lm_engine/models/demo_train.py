@@ -135,11 +135,12 @@ def make_batch(
 ) -> dict:
     """One step's tensors: the images' patches and one sequence per (image, question it answers); with
     ``sequences=False`` the images and the auxiliary targets only (the tower's phase)."""
-    patches, grids, seqs = [], [], []
+    patches, grids, covers, seqs = [], [], [], []
     for i, (ex, mp) in enumerate(zip(examples, max_pixels)):
         pv, grid = enc.pixels(ex, mp)
         patches.append(pv)
         grids.append(grid)
+        covers.append(tasks.coverage(ex, grid[1], grid[2]))  # [objects, rows, cols] of patches
         n_tok = grid[0] * grid[1] * grid[2] // 4
         for task, ans in ex.qa.items() if sequences else ():
             if task_filter is not None and task != task_filter:
@@ -147,7 +148,7 @@ def make_batch(
             prompt, answer = enc.prompt(tasks.QUESTIONS[task], n_tok), enc.answer(ans)
             seqs.append((i, prompt, answer))
     tower = {
-        "aux": aux_targets(examples) | dense_targets(examples, grids),
+        "aux": aux_targets(examples) | dense_targets(examples, grids, covers),
         "pixel_values": torch.cat(patches),
         "grid_thw": torch.tensor(grids, dtype=torch.long),
     }
@@ -192,11 +193,12 @@ COVERED = 0.15  # a cell is labelled with the object covering most of it, when t
 
 
 def dense_targets(
-    examples: list[tasks.Example], grids: list[tuple[int, int, int]]
+    examples: list[tasks.Example], grids: list[tuple[int, int, int]], covers: list | None = None
 ) -> dict[str, torch.Tensor]:
     """Per patch and per merged token, in the tower's orders: the label of the object covering most of the
     cell (a shape kind or a digit; "none" under 15 %), that shape's colour (ignored elsewhere), the fraction
-    of the cell objects cover, and whether an object's centre falls in it.
+    of the cell objects cover, and whether an object's centre falls in it. ``covers``: each image's
+    ``tasks.coverage`` at its grid, where already computed.
 
     A patch covers 14 x 14 pixels of the resized image and a merged token 2 x 2 patches; the outlines are
     scaled from the original image's pixels. These targets are local: an edge patch shows its shape's kind
@@ -205,12 +207,12 @@ def dense_targets(
     """
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     palette = list(tasks.COLORS)
-    for ex, (_, gh, gw) in zip(examples, grids):
+    for n, (ex, (_, gh, gw)) in enumerate(zip(examples, grids)):
         width, height = ex.size
         names = [label.partition(" ") for _, _, label in ex.objects]
         kinds = torch.tensor([DENSE_LABELS.index(name) for name, _, _ in names] or [0])
         colours = torch.tensor([palette.index(c) if c else -100 for _, _, c in names] or [-100])
-        cov = torch.from_numpy(tasks.coverage(ex, gh, gw))  # [objects, gh, gw]
+        cov = torch.from_numpy(covers[n] if covers is not None else tasks.coverage(ex, gh, gw))
         if cov.shape[0] == 0:
             cov = torch.zeros((1, gh, gw))
         for unit, rows, cols in (("patch", gh, gw), ("token", gh // 2, gw // 2)):
@@ -307,7 +309,7 @@ class AuxHeads(torch.nn.Module):
         return total
 
 
-class TrainBatches(torch.utils.data.IterableDataset):
+class TrainBatches:
     """Batch ``b`` is a pure function of (seed, b): kinds, images and budgets drawn from their own RNG."""
 
     def __init__(self, checkpoint_dir: Path, cfg: TrainConfig, start: int = 0, tower: bool = False) -> None:
@@ -316,7 +318,6 @@ class TrainBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         import random
 
-        torch.set_num_threads(1)
         enc = Encoder(self.dir)
         fractions, shares = zip(*self.cfg.budget_mix)
         kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
@@ -416,8 +417,124 @@ def build_model(seed: int, filter_init: bool = True) -> torch.nn.Module:
     model = transformers.Qwen2VLForConditionalGeneration(cfg).float()
     if filter_init:
         start_from_edge_filters(model.model.visual)
+    train_fast(model.model.visual)
     model.train()
     return model
+
+
+def train_fast(tower: torch.nn.Module) -> None:
+    """The same tower function, computed in shapes the CPU trains fast (this model's instances only).
+
+    The patch embedding is a Conv3d whose kernel equals its stride: one dot product per patch, so a linear
+    layer over the flattened patch computes it; oneDNN's convolution backward took ~0.5 s of a 1.3 s tower
+    step (32 images, ~3,300 patches) for a 1 GFLOP product. And transformers runs vision attention one image
+    at a time, where a small image's flash-attention backward is mostly overhead: ``padded_attention`` runs
+    images of similar lengths as one padded batch. The first 60 tower and 60 whole-model steps of ``train()``
+    (Xeon with AMX, 2 cores, batches from a DataLoader worker in both runs): 16.0 -> 20.3 images/s in the
+    tower's phase, 6.9 -> 6.9 in the whole model's (its decoder and answers now weigh more).
+    ``test_fast_tower_computes_transformers_tower`` checks outputs and gradients against transformers' own
+    forward."""
+    import types
+
+    tower.patch_embed.forward = types.MethodType(_linear_patch_embed, tower.patch_embed)
+    for block in tower.blocks:
+        block.attn.forward = types.MethodType(padded_attention, block.attn)
+
+
+def _linear_patch_embed(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = self.proj.weight  # [out, channels, temporal, patch, patch]: the patch's own flattening order
+    flat = weight.view(weight.shape[0], -1)
+    return torch.nn.functional.linear(hidden_states.view(-1, flat.shape[1]).to(weight.dtype), flat)
+
+
+# Images attend in padded groups: one at a time, small images are overhead-bound. A group is padded to its
+# longest image and closed when padding would cost more than PAD_SLACK times its real attention work (the
+# sum of squared lengths). Groups up to MATH_MAX tokens long attend as matmuls with float32 scores; longer ones
+# through SDPA, which does not keep the [b, heads, length, length] scores for the backward pass (the matmul
+# form made a full-budget step of 32 images 10 s instead of 2.6).
+MATH_MAX = 256
+PAD_SLACK = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    """Images padded to one length: their tokens ``src``, the padded rows those land on, the key mask as an
+    additive bias [b, 1, 1, length]."""
+
+    src: torch.Tensor
+    rows: torch.Tensor
+    bias: torch.Tensor
+
+    @property
+    def b(self) -> int:
+        return self.bias.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.bias.shape[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    groups: tuple[AttentionGroup, ...]
+    inverse: torch.Tensor  # the groups' outputs, concatenated -> token order
+
+    @classmethod
+    def of(cls, lengths: list[int]) -> AttentionLayout:
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        members: list[list[int]] = []
+        for i in order:
+            if members:
+                group = members[-1]
+                real = sum(lengths[j] ** 2 for j in group) + lengths[i] ** 2
+                if (len(group) + 1) * lengths[group[0]] ** 2 <= PAD_SLACK * real:
+                    group.append(i)
+                    continue
+            members.append([i])
+        groups = []
+        for group in members:
+            longest = lengths[group[0]]
+            src = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in group])
+            rows = torch.cat([torch.arange(lengths[i]) + k * longest for k, i in enumerate(group)])
+            bias = torch.zeros(len(group), 1, 1, longest)
+            for k, i in enumerate(group):
+                bias[k, :, :, lengths[i] :] = float("-inf")
+            groups.append(AttentionGroup(src, rows, bias))
+        return cls(tuple(groups), torch.argsort(torch.cat([g.src for g in groups])))
+
+
+def padded_attention(
+    self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings=None, **kwargs
+) -> torch.Tensor:
+    """transformers' Qwen2-VL ``VisionAttention.forward`` (each image attends within itself), the images
+    batched in padded groups (``AttentionLayout``)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    n, heads = hidden_states.shape[0], self.num_heads
+    q, k, v = self.qkv(hidden_states).reshape(n, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+    layout = AttentionLayout.of((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+    qkv = torch.stack((q, k, v), dim=1)  # [n, 3, heads, d]: padded once for the three
+    outs = []
+    for g in layout.groups:
+        full = qkv.new_zeros(g.b * g.length, 3, heads, qkv.shape[-1])
+        full = full.index_copy(0, g.rows, qkv.index_select(0, g.src))
+        # each [b, heads, length, d]
+        qq, kk, vv = full.view(g.b, g.length, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        if g.length > MATH_MAX:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=g.bias.to(qq.dtype), scale=self.scaling
+            )
+        else:
+            scores = torch.matmul(qq, kk.transpose(-1, -2)).float() * self.scaling + g.bias
+            o = torch.matmul(torch.softmax(scores, dim=-1).to(vv.dtype), vv)
+        outs.append(o.transpose(1, 2).reshape(g.b * g.length, heads, -1).index_select(0, g.rows))
+    out = torch.cat(outs)[layout.inverse]
+    return self.proj(out.reshape(n, -1))
 
 
 def encode_images(
@@ -547,9 +664,10 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     t0 = time.perf_counter()
     if cfg.tower_steps and aux is not None:
         train_tower(model, aux, opt, out, cfg, log, t0)
-    loader = torch.utils.data.DataLoader(
-        TrainBatches(out, cfg), batch_size=None, num_workers=1, prefetch_factor=4, persistent_workers=False
-    )
+    # NOTE: batches are made in this process, between steps (~0.1 s of one core each). A DataLoader worker
+    # made them while the step ran, but on two cores it took one from the step's two threads: 60 + 60 steps
+    # ran at 20.3 and 6.9 images/s with the worker, 22.0 and 8.5 without (Xeon with AMX).
+    loader = TrainBatches(out, cfg)
     phase2 = time.perf_counter()
     seen = 0
     recent: list[tuple[float, float]] = []
@@ -588,8 +706,9 @@ def optimizer_step(
     opt: torch.optim.Optimizer, params: list[torch.Tensor], loss: torch.Tensor, lr: float, grad_clip: float
 ) -> None:
     """One update (both phases): gradients of ``loss``, clipped to ``grad_clip`` in total norm over ``params``,
-    then ``opt`` at learning rate ``lr``. NOTE: the norm is summed in ``params``' order, so each phase keeps
-    the order it was trained with (the shipped checkpoint's bytes depend on it)."""
+    then ``opt`` at learning rate ``lr``. NOTE: the norm is summed in ``params``' order, and a run's bytes
+    depend on it; each phase keeps the order it had when the shipped checkpoint was trained (b229aaa, before
+    ``train_fast``: a run of this code is not bit-identical to it)."""
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
@@ -600,9 +719,7 @@ def optimizer_step(
 
 def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0: float) -> None:
     """Phase 1: the tower and the auxiliary heads only (the decoder's parameters get no gradient)."""
-    loader = torch.utils.data.DataLoader(
-        TrainBatches(out, cfg, tower=True), batch_size=None, num_workers=1, prefetch_factor=4
-    )
+    loader = TrainBatches(out, cfg, tower=True)  # in this process, as phase 2's (train())
     params = [p for group in opt.param_groups for p in group["params"]]
     losses: list[float] = []
     recent: dict[str, list[torch.Tensor]] = defaultdict(list)
