@@ -135,12 +135,11 @@ def make_batch(
 ) -> dict:
     """One step's tensors: the images' patches and one sequence per (image, question it answers); with
     ``sequences=False`` the images and the auxiliary targets only (the tower's phase)."""
-    patches, grids, covers, seqs = [], [], [], []
+    patches, grids, seqs = [], [], []
     for i, (ex, mp) in enumerate(zip(examples, max_pixels)):
         pv, grid = enc.pixels(ex, mp)
         patches.append(pv)
         grids.append(grid)
-        covers.append(tasks.coverage(ex, grid[1], grid[2]))  # [objects, rows, cols] of patches
         n_tok = grid[0] * grid[1] * grid[2] // 4
         for task, ans in ex.qa.items() if sequences else ():
             if task_filter is not None and task != task_filter:
@@ -148,7 +147,7 @@ def make_batch(
             prompt, answer = enc.prompt(tasks.QUESTIONS[task], n_tok), enc.answer(ans)
             seqs.append((i, prompt, answer))
     tower = {
-        "aux": aux_targets(examples) | dense_targets(examples, grids, covers),
+        "aux": aux_targets(examples) | dense_targets(examples, grids),
         "pixel_values": torch.cat(patches),
         "grid_thw": torch.tensor(grids, dtype=torch.long),
     }
@@ -193,12 +192,11 @@ COVERED = 0.15  # a cell is labelled with the object covering most of it, when t
 
 
 def dense_targets(
-    examples: list[tasks.Example], grids: list[tuple[int, int, int]], covers: list | None = None
+    examples: list[tasks.Example], grids: list[tuple[int, int, int]]
 ) -> dict[str, torch.Tensor]:
     """Per patch and per merged token, in the tower's orders: the label of the object covering most of the
     cell (a shape kind or a digit; "none" under 15 %), that shape's colour (ignored elsewhere), the fraction
-    of the cell objects cover, and whether an object's centre falls in it. ``covers``: each image's
-    ``tasks.coverage`` at its grid, where already computed.
+    of the cell objects cover, and whether an object's centre falls in it.
 
     A patch covers 14 x 14 pixels of the resized image and a merged token 2 x 2 patches; the outlines are
     scaled from the original image's pixels. These targets are local: an edge patch shows its shape's kind
@@ -207,12 +205,12 @@ def dense_targets(
     """
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     palette = list(tasks.COLORS)
-    for n, (ex, (_, gh, gw)) in enumerate(zip(examples, grids)):
+    for ex, (_, gh, gw) in zip(examples, grids):
         width, height = ex.size
         names = [label.partition(" ") for _, _, label in ex.objects]
         kinds = torch.tensor([DENSE_LABELS.index(name) for name, _, _ in names] or [0])
         colours = torch.tensor([palette.index(c) if c else -100 for _, _, c in names] or [-100])
-        cov = torch.from_numpy(covers[n] if covers is not None else tasks.coverage(ex, gh, gw))
+        cov = torch.from_numpy(tasks.coverage(ex, gh, gw))  # [objects, gh, gw]
         if cov.shape[0] == 0:
             cov = torch.zeros((1, gh, gw))
         for unit, rows, cols in (("patch", gh, gw), ("token", gh // 2, gw // 2)):
