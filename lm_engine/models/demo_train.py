@@ -26,6 +26,7 @@ and processor config; bf16 weights under the original key names) that transforme
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -514,6 +515,12 @@ class AttentionLayout:
         return cls(tuple(groups), torch.argsort(torch.cat([g.src for g in groups])))
 
 
+@functools.lru_cache(maxsize=8)
+def attention_layout(lengths: tuple[int, ...]) -> AttentionLayout:
+    """``AttentionLayout.of``, built once a batch: every block of a tower pass asks for the same lengths."""
+    return AttentionLayout.of(list(lengths))
+
+
 def padded_attention(
     self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, position_embeddings=None, **kwargs
 ) -> torch.Tensor:
@@ -525,7 +532,7 @@ def padded_attention(
     q, k, v = self.qkv(hidden_states).reshape(n, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
     cos, sin = position_embeddings
     q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
-    layout = AttentionLayout.of((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+    layout = attention_layout(tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()))
     qkv = torch.stack((q, k, v), dim=1)  # [n, 3, heads, d]: padded once for the three
     outs = []
     for g in layout.groups:
