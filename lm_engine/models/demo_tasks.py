@@ -230,7 +230,14 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
     dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
     ImageDraw.Draw(img).text((x, y), text, font=font, fill=dark)
-    mid_y = y + top + th / 2
+    objects, outlines = _digit_marks(font, text, x, y)
+    return img, {"number": text, "describe": f"the number {text}"}, objects, outlines
+
+
+def _digit_marks(font: ImageFont.FreeTypeFont, text: str, x: float, y: float) -> tuple[tuple, tuple]:
+    """Each digit of ``text`` drawn at (x, y): its centre and label, and its ink box as an outline."""
+    left, top, right, bottom = font.getbbox(text)
+    mid_y = y + top + (bottom - top) / 2
     objects = tuple(
         (x + font.getlength(text[:i]) + font.getlength(ch) / 2, mid_y, ch) for i, ch in enumerate(text)
     )
@@ -241,7 +248,47 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
         outlines.append(
             ("polygon", ((dx + x0, y + y0), (dx + x1, y + y0), (dx + x1, y + y1), (dx + x0, y + y1)))
         )
-    return img, {"number": text, "describe": f"the number {text}"}, objects, tuple(outlines)
+    return objects, tuple(outlines)
+
+
+def _numbers(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple, tuple]:
+    """Training only (the tower's phase; never in the task set): up to 5 numbers, sized as ``_number``'s,
+    scattered without overlap. A number image's digits cover a few of its patches; these put several times
+    as many digits under the per-cell heads for the same tower work. No question applies to them."""
+    w, h = _canvas(rng)
+    light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
+    img = _background((w, h), light, rng)
+    draw = ImageDraw.Draw(img)
+    lo = max(MIN_GLYPH, math.ceil(max(w, h) / 20))
+    want = rng.randint(2, 5)
+    boxes: list[tuple[float, float, float, float]] = []
+    objects: tuple = ()
+    outlines: tuple = ()
+    for _ in range(30 * want):
+        if len(boxes) == want:
+            break
+        digits = rng.randint(1, 4)
+        text = str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
+        hi = min(MAX_GLYPH, int((h - 4) * 0.95), int((w - 4) / (0.64 * digits / 0.73 + 0.1)))
+        if hi < lo:
+            continue
+        glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        font = _font(max(6, round(glyph / 0.73)))
+        left, top, right, bottom = font.getbbox(text)
+        tw, th = right - left, bottom - top
+        if tw > w - 2 or th > h - 2:
+            continue
+        x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
+        gap = max(2.0, 0.3 * th)  # numbers apart by a third of a glyph: each one reads as its own
+        box = (x + left - gap, y + top - gap, x + right + gap, y + bottom + gap)
+        if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+            continue
+        boxes.append(box)
+        dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
+        draw.text((x, y), text, font=font, fill=dark)
+        marks = _digit_marks(font, text, x, y)
+        objects, outlines = objects + marks[0], outlines + marks[1]
+    return img, {}, objects, outlines
 
 
 def _fits(bbox: tuple[int, int, int, int], w: int, h: int) -> bool:
@@ -249,8 +296,8 @@ def _fits(bbox: tuple[int, int, int, int], w: int, h: int) -> bool:
     return bottom - top <= min(MAX_GLYPH, h - 2) and right - left <= w - 2
 
 
-_MAKERS = {"single": _single, "many": _many, "number": _number}
-KINDS = tuple(_MAKERS)
+KINDS = ("single", "many", "number")  # the task set's kinds; "numbers" is training's alone
+_MAKERS = {"single": _single, "many": _many, "number": _number, "numbers": _numbers}
 
 
 def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = None) -> Example:

@@ -3,10 +3,11 @@
 Two phases. First the vision tower alone (``tower_steps``): per-image and per-patch auxiliary heads, no
 decoder, which runs about twice as many images a second; then the whole model (``steps``) on the answers,
 the auxiliary heads still on. The per-patch targets come from the objects' outlines (which object covers
-each patch, its colour, the covered fraction, the centres). Without them and the first phase, shapes stayed
-at chance in every run so far (the longest: 750 steps of 16 images, 20 minutes); with them the tower's shape
-head went from ~45 % to 96 % between about 13,000 and 19,000 images (the run that wrote the shipped demo
-model; README, "The demo model").
+each patch, its colour, the covered fraction, the centres), and per merged token the digits it holds by
+their place in the number (``token_slots``); the tower's phase also sees images of several numbers. Without
+the per-patch targets and the first phase, shapes stayed at chance in every run so far (the longest: 750
+steps of 16 images, 20 minutes); with them the tower's shape head went from ~45 % to 96 % between about
+13,000 and 19,000 images (README, "The demo model").
 
 Deterministic for a seed on a given machine: batch ``b`` holds task-set examples ``[b*B, (b+1)*B)``, the
 weights start from transformers' own initialisation under a fixed seed (the patch embedding from designed
@@ -49,8 +50,12 @@ from lm_engine.models.qwen2_vl_make import (
 
 PRESET = "demo"
 SYSTEM = "You are a helpful assistant."
-# Image kinds per batch: numbers are the hardest task, so they get the largest share.
-KIND_WEIGHTS = {"single": 0.3, "many": 0.3, "number": 0.4}
+# Image kinds per batch: numbers are the hardest task, so they get the largest share, and single shapes
+# (colour and shape, learnt early) the smallest.
+KIND_WEIGHTS = {"single": 0.2, "many": 0.35, "number": 0.45}
+# The tower's phase splits the numbers' share with images of several numbers (demo_tasks._numbers): more
+# digits under the per-cell heads for the same work.
+TOWER_KIND_WEIGHTS = {"single": 0.2, "many": 0.3, "number": 0.25, "numbers": 0.25}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +194,8 @@ def aux_targets(examples: list[tasks.Example]) -> dict[str, torch.Tensor]:
 
 DENSE_LABELS = ("none", *tasks.SHAPES, *"0123456789")
 UNITS = ("patch", "token")
+SLOTS = 4  # per merged token, one slot per place in a number (token_slots)
+NO_DIGIT = 10
 COVERED = 0.15  # a cell is labelled with the object covering most of it, when that is at least this much
 
 
@@ -227,7 +234,38 @@ def dense_targets(
             for x, y, _ in ex.objects:
                 centre[min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))] = 1.0
             out[f"{unit}_centre"].append(centre.flatten()[order])
+        out["token_slots"].append(token_slots(ex, gh // 2, gw // 2))
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
+    """[rows * cols, SLOTS]: per merged token, slot ``p`` is the digit at place ``p`` of its number (0 the
+    leftmost) where that digit's centre falls in the token, ``NO_DIGIT`` elsewhere. Unlike the covering
+    label (one digit per cell, the one covering most) it names every digit a token holds, and where in its
+    number: reading the number is then finding, for each place, the token that holds it.
+
+    NOTE: measured (2026-12-02, default-length runs on a 2-vCPU EPYC with AVX512-BF16, 30-32 minutes each;
+    quality_vs_budget's 200 numbers at full budget): the recipe before these slots 30.5 % (the model shipped
+    until then); slots naming a token's digits left to right within the token, with the several-number
+    images, 34.5 % (1-4 digits: 82/41/12/0 %); slots by place in the number, 43.5 % (80/55/23/13 %); the
+    same with the kind shares moved from single shapes to numbers (KIND_WEIGHTS, TOWER_KIND_WEIGHTS), 51.5 %
+    (90/73/37/2 %: the shipped model). The tower's per-token check ("slots" in the log) ended at 0.62, 0.30
+    and 0.36: places are harder to learn than digits, and still the decoder reads them better. What remains
+    is mostly small print: digits 10-20 px tall after the resize are read 24 % of the time, 40 px and more
+    73 %; and 4-digit numbers."""
+    width, height = ex.size
+    out = torch.full((rows * cols, SLOTS), NO_DIGIT, dtype=torch.long)
+    place, last = 0, (None, math.inf)
+    for x, y, label in ex.objects:
+        if not label.isdigit():
+            continue
+        # a number's digits follow each other in ``objects``, left to right on one line (one centre height)
+        place = place + 1 if y == last[0] and x > last[1] else 0
+        last = (y, x)
+        row, col = min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))
+        if place < SLOTS:
+            out[row * cols + col, place] = int(label)
+    return out
 
 
 def patch_order(rows: int, cols: int) -> torch.Tensor:
@@ -281,6 +319,7 @@ class AuxHeads(torch.nn.Module):
         self.dense = torch.nn.ModuleDict(
             {u: torch.nn.Linear(widths[u], len(DENSE_LABELS) + len(tasks.COLORS) + 2) for u in UNITS}
         )
+        self.slots = torch.nn.Linear(width, SLOTS * (NO_DIGIT + 1))  # per merged token (token_slots)
 
     def loss(
         self, pooled: torch.Tensor, dense: dict[str, torch.Tensor], aux: dict[str, torch.Tensor]
@@ -305,6 +344,13 @@ class AuxHeads(torch.nn.Module):
             total = total + bce(logits[:, -2], aux[f"{unit}_cover"])
             centre = aux[f"{unit}_centre"]
             total = total + bce(logits[:, -1], centre, pos_weight=torch.tensor(8.0))
+        slots = self.slots(dense["token"]).float().view(-1, NO_DIGIT + 1)
+        target = aux["token_slots"].view(-1)
+        holds = (aux["token_slots"] != NO_DIGIT).any(-1).repeat_interleave(SLOTS)
+        # every token, plus the tokens holding digits again (as the covering label: most hold none)
+        total = total + ce(slots, target)
+        if holds.any():
+            total = total + ce(slots[holds], target[holds])
         for name in ("color", "shape", "count"):
             target = aux[name]
             if (target != -100).any():
@@ -327,7 +373,8 @@ class TrainBatches:
 
         enc = Encoder(self.dir)
         fractions, shares = zip(*self.cfg.budget_mix)
-        kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        mix = TOWER_KIND_WEIGHTS if self.tower else KIND_WEIGHTS
+        kinds, weights = list(mix), list(mix.values())
         steps, per_batch = self.cfg.steps, self.cfg.batch_images
         # the tower's phase draws its own images: task-set indices from 10**9 up, never phase 2's
         first, tag = 0, "vlmserve-demo-batch"
@@ -594,13 +641,15 @@ def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tens
 
 
 def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The tower's phase: (auxiliary loss, per-image hits [bool] of the per-image heads on the images where
-    they apply: "shape", "count" (of 2-6 shapes) and "number" (every digit and the length))."""
+    """The tower's phase: (auxiliary loss, hits [bool] of the per-image heads on the images where they apply:
+    "shape", "count" (of 2-6 shapes) and "number" (every digit and the length); and "slots": the merged
+    tokens holding digits, every slot right)."""
     _, pooled, dense = encode_images(model, batch)
     targets = batch["aux"]
     with torch.no_grad():
         shape, count = aux.shape(pooled).argmax(-1), aux.count(pooled).argmax(-1)
         digits = aux.digits(pooled).view(len(pooled), AUX_DIGITS, 11).argmax(-1)
+        slots = aux.slots(dense["token"]).view(-1, SLOTS, NO_DIGIT + 1).argmax(-1)
     is_shape, many, is_number = (
         targets["shape"] != -100,
         targets["count"] > 0,
@@ -610,6 +659,8 @@ def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, dict
         "shape": shape[is_shape] == targets["shape"][is_shape],
         "count": count[many] == targets["count"][many],
         "number": (digits == targets["digits"]).all(-1)[is_number],
+        # per merged token holding a digit: all its slots right
+        "slots": (slots == targets["token_slots"]).all(-1)[(targets["token_slots"] != NO_DIGIT).any(-1)],
     }
     return aux.loss(pooled, dense, targets), hits
 
@@ -752,7 +803,7 @@ def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0:
             heads = " ".join(f"{k} {torch.cat(v).float().mean().item():.2f}" for k, v in recent.items())
             log(
                 f"[train-demo] tower step {step + 1}/{cfg.tower_steps} aux loss {sum(losses) / len(losses):.3f} "
-                f"per-image heads on unseen images: {heads} "
+                f"heads on unseen images: {heads} "
                 f"{(step + 1) * cfg.tower_batch_images / dt:.1f} img/s eta {eta / 60:.1f} min"
             )
     # NOTE: AdamW's moments of the tower carry into phase 2; the decoder's start at zero there

@@ -284,3 +284,27 @@ def test_outline_coverage_matches_the_drawn_pixels(lossless):
             assert np.abs(cov - seen).mean() < 0.02
         checked += 1
     assert checked == 120
+
+
+def test_several_number_images_are_training_only_and_drawn_where_marked():
+    """The tower's several-number images: never a task-set kind, and their digits' ink boxes (what the per-cell
+    targets come from) hold all the ink the pixels show, and every box has ink inside."""
+    assert "numbers" not in tasks.KINDS and all(
+        ex.kind in tasks.KINDS for ex in (tasks.sample(7, i) for i in range(60))
+    )
+    digits = 0
+    for i in range(40):
+        ex = tasks.sample(9, i, "numbers", fmt="PNG")
+        assert ex.qa == {} and len(ex.objects) == len(ex.outlines) > 0
+        assert all(label.isdigit() for _, _, label in ex.objects)
+        lum = pixels(ex) @ np.array([0.299, 0.587, 0.114])
+        dark = lum < 128
+        boxed = np.zeros_like(dark)
+        for _, coords in ex.outlines:
+            (x0, y0), (x1, y1) = coords[0], coords[2]
+            box = (slice(max(0, int(y0)), int(np.ceil(y1)) + 1), slice(max(0, int(x0)), int(np.ceil(x1)) + 1))
+            assert dark[box].any(), (ex.size, coords)
+            boxed[box] = True
+        assert not (dark & ~boxed).any(), "every dark pixel is inside a digit's box"
+        digits += len(ex.objects)
+    assert digits > 40 * 2.5 * 2, "several numbers an image, on average"

@@ -3,6 +3,7 @@ gradients, in the shapes it runs them in (a linear patch embedding, images atten
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -66,3 +67,46 @@ def test_attention_layout_places_every_token_once():
             assert sum(members) == len(g.src)
             if g.b > 1:
                 assert g.b * g.length**2 <= demo_train.PAD_SLACK * sum(n * n for n in members)
+
+
+def test_token_slots_name_each_digit_by_its_place_in_its_number():
+    """Numbers placed by hand on a 4 x 6 grid of merged tokens over a 120 x 80 image (20 px a token)."""
+    N = demo_train.NO_DIGIT
+    five_two_nine = [(21.0, 10.0, "5"), (31.0, 10.0, "2"), (38.0, 10.0, "9")]  # one token, places 0-2
+    seven = [(45.0, 12.0, "7")]  # a number of its own (another line): place 0, the next token
+    forty = [(109.0, 79.0, "4"), (119.0, 79.0, "0")]  # the last token
+    shape = (70.0, 50.0, "circle red")  # shapes name no digit
+    objects = (*five_two_nine, shape, *seven, *forty)
+    ex = tasks.Example(kind="numbers", data=b"", fmt="PNG", size=(120, 80), qa={}, objects=objects)
+    slots = demo_train.token_slots(ex, rows=4, cols=6)
+    want = torch.full((24, demo_train.SLOTS), N)
+    want[1] = torch.tensor([5, 2, 9, N])
+    want[2] = torch.tensor([7, N, N, N])
+    want[23] = torch.tensor([4, 0, N, N])
+    assert torch.equal(slots, want)
+    # a number spread over tokens: each digit in the token under its centre, at its own place
+    wide = dataclasses.replace(ex, objects=((10.0, 30.0, "8"), (30.0, 30.0, "1"), (50.0, 30.0, "6")))
+    got = demo_train.token_slots(wide, rows=4, cols=6)
+    assert (
+        got[6].tolist() == [8, N, N, N]
+        and got[7].tolist() == [N, 1, N, N]
+        and got[8].tolist() == [N, N, 6, N]
+    )
+    assert (got[[i for i in range(24) if i not in (6, 7, 8)]] == N).all()
+
+
+def test_tower_batches_carry_token_slots_for_every_merged_token(encoder):
+    """The slots line up with the tower's merged tokens: one row per token of every image, digits only where
+    a number is drawn (on the several-number images of the tower's phase, several numbers' digits)."""
+    examples = [tasks.sample(3, i, kind) for i, kind in enumerate(("numbers", "number", "many", "numbers"))]
+    batch = make_batch(encoder, examples, [encoder.pre.max_pixels] * 4, sequences=False)
+    slots = batch["aux"]["token_slots"]
+    tokens = batch["grid_thw"].prod(-1) // 4
+    assert slots.shape == (int(tokens.sum()), demo_train.SLOTS)
+    per_image = slots.split(tokens.tolist())
+    for ex, s in zip(examples, per_image):
+        named = sorted(d for d in s.flatten().tolist() if d != demo_train.NO_DIGIT)
+        drawn = sorted(int(label) for _, _, label in ex.objects if label.isdigit())
+        assert named == drawn, ex.kind  # each digit in exactly one token, at one place
+    assert (per_image[2] == demo_train.NO_DIGIT).all()
+    assert batch["aux"]["digits"][0].tolist() == [-100] * demo_train.AUX_DIGITS  # no single answer
