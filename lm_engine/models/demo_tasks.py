@@ -204,11 +204,9 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
     """A 1-4 digit number, dark on light, glyph height in [12, 120] px and >= 1/20 of the longer side."""
     while True:
         w, h = _canvas(rng)
-        digits = rng.randint(1, 4)
-        text = str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
+        text = _random_number(rng)
         lo = max(MIN_GLYPH, math.ceil(max(w, h) / 20))
-        # The digits' ink is ~0.73 of the font size tall and ~0.64 of it wide per digit.
-        hi = min(MAX_GLYPH, int((h - 4) * 0.95), int((w - 4) / (0.64 * digits / 0.73 + 0.1)))
+        hi = _glyph_ceiling(len(text), w, h)
         if hi >= lo:
             break
     glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
@@ -225,13 +223,33 @@ def _number(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple]:
             size += 1
         else:
             break
-    light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
-    img = _background((w, h), light, rng)
+    img = _background((w, h), _light(rng), rng)
     x, y = rng.uniform(0, w - tw) - left, rng.uniform(0, h - th) - top
-    dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
-    ImageDraw.Draw(img).text((x, y), text, font=font, fill=dark)
+    ImageDraw.Draw(img).text((x, y), text, font=font, fill=_dark(rng))
     objects, outlines = _digit_marks(font, text, x, y)
     return img, {"number": text, "describe": f"the number {text}"}, objects, outlines
+
+
+def _random_number(rng: random.Random) -> str:
+    """A 1-4 digit number (its length uniform), no leading zero."""
+    digits = rng.randint(1, 4)
+    return str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
+
+
+def _glyph_ceiling(digits: int, w: int, h: int) -> int:
+    """The tallest glyph (px) a number of ``digits`` may have in a w x h image: it must fit with a margin.
+    The digits' ink is ~0.73 of the font size tall and ~0.64 of it wide per digit."""
+    return min(MAX_GLYPH, int((h - 4) * 0.95), int((w - 4) / (0.64 * digits / 0.73 + 0.1)))
+
+
+def _light(rng: random.Random) -> tuple[int, int, int]:
+    """A number image's background: light, any tint."""
+    return (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
+
+
+def _dark(rng: random.Random) -> tuple[int, int, int]:
+    """A number's ink: dark, any tint."""
+    return (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
 
 
 def _digit_marks(font: ImageFont.FreeTypeFont, text: str, x: float, y: float) -> tuple[tuple, tuple]:
@@ -256,8 +274,7 @@ def _numbers(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple, tu
     scattered without overlap. A number image's digits cover a few of its patches; these put several times
     as many digits under the per-cell heads for the same tower work. No question applies to them."""
     w, h = _canvas(rng)
-    light = (rng.randint(200, 255), rng.randint(200, 255), rng.randint(200, 255))
-    img = _background((w, h), light, rng)
+    img = _background((w, h), _light(rng), rng)
     draw = ImageDraw.Draw(img)
     lo = max(MIN_GLYPH, math.ceil(max(w, h) / 20))
     want = rng.randint(2, 5)
@@ -267,9 +284,8 @@ def _numbers(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple, tu
     for _ in range(30 * want):
         if len(boxes) == want:
             break
-        digits = rng.randint(1, 4)
-        text = str(rng.randint(1 if digits == 1 else 10 ** (digits - 1), 10**digits - 1))
-        hi = min(MAX_GLYPH, int((h - 4) * 0.95), int((w - 4) / (0.64 * digits / 0.73 + 0.1)))
+        text = _random_number(rng)
+        hi = _glyph_ceiling(len(text), w, h)
         if hi < lo:
             continue
         glyph = round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
@@ -284,8 +300,7 @@ def _numbers(rng: random.Random) -> tuple[Image.Image, dict[str, str], tuple, tu
         if any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
             continue
         boxes.append(box)
-        dark = (rng.randint(0, 70), rng.randint(0, 70), rng.randint(0, 70))
-        draw.text((x, y), text, font=font, fill=dark)
+        draw.text((x, y), text, font=font, fill=_dark(rng))
         marks = _digit_marks(font, text, x, y)
         objects, outlines = objects + marks[0], outlines + marks[1]
     return img, {}, objects, outlines

@@ -177,7 +177,9 @@ def make_batch(
     }
 
 
-AUX_DIGITS = 4
+AUX_DIGITS = 4  # places the per-image digit head reads
+NO_DIGIT = 10  # the class of "no digit here": a place past the number's end, a token's empty slot
+DIGIT_CLASSES = NO_DIGIT + 1
 
 
 def aux_targets(examples: list[tasks.Example]) -> dict[str, torch.Tensor]:
@@ -195,7 +197,6 @@ def aux_targets(examples: list[tasks.Example]) -> dict[str, torch.Tensor]:
 DENSE_LABELS = ("none", *tasks.SHAPES, *"0123456789")
 UNITS = ("patch", "token")
 SLOTS = 4  # per merged token, one slot per place in a number (token_slots)
-NO_DIGIT = 10
 COVERED = 0.15  # a cell is labelled with the object covering most of it, when that is at least this much
 
 
@@ -214,7 +215,6 @@ def dense_targets(
     out: dict[str, list[torch.Tensor]] = defaultdict(list)
     palette = list(tasks.COLORS)
     for ex, (_, gh, gw) in zip(examples, grids):
-        width, height = ex.size
         names = [label.partition(" ") for _, _, label in ex.objects]
         kinds = torch.tensor([DENSE_LABELS.index(name) for name, _, _ in names] or [0])
         colours = torch.tensor([palette.index(c) if c else -100 for _, _, c in names] or [-100])
@@ -232,10 +232,17 @@ def dense_targets(
             out[f"{unit}_cover"].append(cov.sum(dim=0).clamp(max=1.0).flatten()[order])
             centre = torch.zeros(rows, cols)
             for x, y, _ in ex.objects:
-                centre[min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))] = 1.0
+                centre[cell_of(x, y, ex.size, rows, cols)] = 1.0
             out[f"{unit}_centre"].append(centre.flatten()[order])
         out["token_slots"].append(token_slots(ex, gh // 2, gw // 2))
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def cell_of(x: float, y: float, size: tuple[int, int], rows: int, cols: int) -> tuple[int, int]:
+    """(row, col) of the cell of a rows x cols grid over an image of ``size`` (width, height) holding the
+    image pixel (x, y): the image stretched to the grid, as the preprocessor's resize does."""
+    width, height = size
+    return min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))
 
 
 def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
@@ -254,7 +261,6 @@ def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
     at 0.62, 0.30, 0.36 and 0.51: places are harder to learn than digits, and still the decoder reads them
     better. What remains is mostly small print: digits 10-20 px tall after the resize are read 27 % of the
     time, 40 px and more 78 %; and 4-digit numbers."""
-    width, height = ex.size
     out = torch.full((rows * cols, SLOTS), NO_DIGIT, dtype=torch.long)
     place, last = 0, (None, math.inf)
     for x, y, label in ex.objects:
@@ -263,7 +269,7 @@ def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
         # a number's digits follow each other in ``objects``, left to right on one line (one centre height)
         place = place + 1 if y == last[0] and x > last[1] else 0
         last = (y, x)
-        row, col = min(rows - 1, int(y * rows / height)), min(cols - 1, int(x * cols / width))
+        row, col = cell_of(x, y, ex.size, rows, cols)
         if place < SLOTS:
             out[row * cols + col, place] = int(label)
     return out
@@ -279,7 +285,7 @@ def patch_order(rows: int, cols: int) -> torch.Tensor:
 def _digit_targets(number: str | None) -> list[int]:
     if number is None:
         return [-100] * AUX_DIGITS
-    return [int(number[k]) if k < len(number) else 10 for k in range(AUX_DIGITS)]
+    return [int(number[k]) if k < len(number) else NO_DIGIT for k in range(AUX_DIGITS)]
 
 
 class AuxHeads(torch.nn.Module):
@@ -314,13 +320,13 @@ class AuxHeads(torch.nn.Module):
         self.color = torch.nn.Linear(width, len(tasks.COLORS))
         self.shape = torch.nn.Linear(width, len(tasks.SHAPES))
         self.count = torch.nn.Linear(width, 6)
-        self.digits = torch.nn.Linear(width, AUX_DIGITS * 11)
+        self.digits = torch.nn.Linear(width, AUX_DIGITS * DIGIT_CLASSES)
         widths = {"patch": vision_width, "token": width}
         # per cell: the covering object's label, its colour, the covered fraction and "a centre is here"
         self.dense = torch.nn.ModuleDict(
             {u: torch.nn.Linear(widths[u], len(DENSE_LABELS) + len(tasks.COLORS) + 2) for u in UNITS}
         )
-        self.slots = torch.nn.Linear(width, SLOTS * (NO_DIGIT + 1))  # per merged token (token_slots)
+        self.slots = torch.nn.Linear(width, SLOTS * DIGIT_CLASSES)  # per merged token (token_slots)
 
     def loss(
         self, pooled: torch.Tensor, dense: dict[str, torch.Tensor], aux: dict[str, torch.Tensor]
@@ -345,7 +351,7 @@ class AuxHeads(torch.nn.Module):
             total = total + bce(logits[:, -2], aux[f"{unit}_cover"])
             centre = aux[f"{unit}_centre"]
             total = total + bce(logits[:, -1], centre, pos_weight=torch.tensor(8.0))
-        slots = self.slots(dense["token"]).float().view(-1, NO_DIGIT + 1)
+        slots = self.slots(dense["token"]).float().view(-1, DIGIT_CLASSES)
         target = aux["token_slots"].view(-1)
         holds = (aux["token_slots"] != NO_DIGIT).any(-1).repeat_interleave(SLOTS)
         # every token, plus the tokens holding digits again (as the covering label: most hold none)
@@ -358,8 +364,8 @@ class AuxHeads(torch.nn.Module):
                 total = total + ce(getattr(self, name)(pooled).float(), target, ignore_index=-100)
         digits = aux["digits"]
         if (digits != -100).any():
-            logits = self.digits(pooled).float().view(-1, AUX_DIGITS, 11)
-            total = total + ce(logits.reshape(-1, 11), digits.reshape(-1), ignore_index=-100)
+            logits = self.digits(pooled).float().view(-1, AUX_DIGITS, DIGIT_CLASSES)
+            total = total + ce(logits.reshape(-1, DIGIT_CLASSES), digits.reshape(-1), ignore_index=-100)
         return total
 
 
@@ -649,8 +655,8 @@ def forward_tower(model, batch: dict, aux: AuxHeads) -> tuple[torch.Tensor, dict
     targets = batch["aux"]
     with torch.no_grad():
         shape, count = aux.shape(pooled).argmax(-1), aux.count(pooled).argmax(-1)
-        digits = aux.digits(pooled).view(len(pooled), AUX_DIGITS, 11).argmax(-1)
-        slots = aux.slots(dense["token"]).view(-1, SLOTS, NO_DIGIT + 1).argmax(-1)
+        digits = aux.digits(pooled).view(len(pooled), AUX_DIGITS, DIGIT_CLASSES).argmax(-1)
+        slots = aux.slots(dense["token"]).view(-1, SLOTS, DIGIT_CLASSES).argmax(-1)
     is_shape, many, is_number = (
         targets["shape"] != -100,
         targets["count"] > 0,
