@@ -705,9 +705,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     g = p.add_argument_group("overload")
-    g.add_argument("--overload-n", type=int, help="measured requests (default 200; --quick 40)")
-    g.add_argument("--calib-n", type=int, help="calibration requests (default 48; --quick 12)")
-    g.add_argument("--calib-clients", type=int, default=8, help="calibration concurrency (closed loop)")
+    g.add_argument("--overload-n", type=int, help="measured requests (default 800; --quick 40)")
+    g.add_argument("--calib-n", type=int, help="calibration requests (default 160; --quick 12)")
+    g.add_argument("--calib-clients", type=int, default=16, help="calibration concurrency (closed loop)")
     g.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
     g.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-budget rate")
     g.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
@@ -727,8 +727,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.skip_accuracy and args.skip_overload:
         p.error("--skip-accuracy and --skip-overload leave nothing to run")
     args.per_task = args.per_task or (10 if args.quick else 200)
-    args.overload_n = args.overload_n or (40 if args.quick else 200)
-    args.calib_n = args.calib_n or (12 if args.quick else 48)
+    args.overload_n = args.overload_n or (40 if args.quick else 800)
+    args.calib_n = args.calib_n or (12 if args.quick else 160)
     args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if bad := set(args.budgets) - {"fixed", "adaptive"}:
