@@ -47,7 +47,9 @@ def test_fast_tower_computes_transformers_tower(encoder):
         outs.append((torch.cat(feats), dense["patch"], grads))
     (f_tok, f_patch, f_grads), (p_tok, p_patch, p_grads) = outs
     torch.testing.assert_close(f_tok, p_tok, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(f_patch, p_patch, rtol=1e-4, atol=1e-5)
+    # NOTE: atol 5e-5, not 1e-5: the per-patch states are summed in another order (padded groups against one
+    # image at a time); one element of 312,320 near zero differed by 1.4e-5 (a misplaced token differs by ~1)
+    torch.testing.assert_close(f_patch, p_patch, rtol=1e-4, atol=5e-5)
     for f, p in zip(f_grads, p_grads):
         torch.testing.assert_close(f, p, rtol=1e-3, atol=1e-6)
 
