@@ -149,8 +149,10 @@ PRESETS: dict[str, Preset] = {
         vision_heads=4,
         vision_mlp_ratio=4,
         dtype="bfloat16",
+        # at least 16 visual tokens: images under 112 x 112 px are scaled up (their digits were too small to
+        # read at 4-9 tokens); at most 128: the ladder then spans 128, 64, 32 and 16 tokens
         min_pixels=12544,
-        max_pixels=100352,  # 128 visual tokens: the ladder then spans 128, 64, 32 and 4 tokens
+        max_pixels=100352,
         corpus_words=3000,
         corpus_lines=12000,
     ),
