@@ -180,18 +180,45 @@ def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int) ->
     return Result(name, seconds, patches, linear, attention)
 
 
+def compute_dtype(model_dir: Path, dtype: str) -> torch.dtype:
+    """The dtype the engine computes this checkpoint in for ``--dtype`` (``auto``: the start-up probe's)."""
+    from lm_engine.config import EngineConfig
+    from lm_engine.models.registry import load_model_config
+
+    return EngineConfig(str(model_dir), dtype=dtype).resolve_dtype(load_model_config(model_dir).dtype)
+
+
+def image_grids(model_dir: Path, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(t, h, w) patch grids of images of ``sizes`` (width, height) after the checkpoint's smart-resize."""
+    from preprocess import PreprocessConfig, smart_resize
+
+    pp = PreprocessConfig.from_checkpoint(model_dir)
+    grids = []
+    for w, h in sizes:
+        rh, rw = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
+        grids.append((1, rh // pp.patch_size, rw // pp.patch_size))
+    return grids
+
+
+def build_ours(model_dir: Path, dtype: torch.dtype, attention: str) -> tuple[dict, torch.nn.Module]:
+    """(config.json, our tower with the checkpoint's weights, linear layers packed as the server runs it)."""
+    from encoder.models import build_vision_tower
+    from encoder.models.linear import pack_linears
+
+    config = json.loads((model_dir / "config.json").read_text())
+    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    pack_linears(ours)
+    return config, ours
+
+
 def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, Qwen3VLVisionModel
 
-    from encoder.models import build_vision_tower
-    from encoder.models.linear import pack_linears
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
-    config = json.loads((model_dir / "config.json").read_text())
-    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
-    pack_linears(ours)  # as the server runs it
+    config, ours = build_ours(model_dir, dtype, attention)
     hf_cfg = Qwen3VLVisionConfig(**config["vision_config"])
     hf_cfg._attn_implementation = "sdpa"
     hf = Qwen3VLVisionModel._from_config(hf_cfg, dtype=dtype).eval()
@@ -210,14 +237,11 @@ def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
-    from encoder.models import build_vision_tower, family_of
-    from encoder.models.linear import pack_linears
+    from encoder.models import family_of
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
-    config = json.loads((model_dir / "config.json").read_text())
-    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
-    pack_linears(ours)  # as the server runs it
+    config, ours = build_ours(model_dir, dtype, attention)
     if family_of(config) == "qwen2_5_vl":
         cfg_cls, model_cls, attn_cls = (
             Qwen2_5_VLVisionConfig,
@@ -259,22 +283,15 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
-    from lm_engine.config import EngineConfig
-    from lm_engine.models.registry import load_model_config
-    from preprocess import PreprocessConfig, smart_resize
 
     model_dir = ensure_checkpoint(args.model, args.family)
-    dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(load_model_config(model_dir).dtype)
+    dtype = compute_dtype(model_dir, args.dtype)
     ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
     if args.rows_per_pass is not None:
         ours.rows_per_pass = args.rows_per_pass
     cfg = ours.cfg
-    pp = PreprocessConfig.from_checkpoint(model_dir)
     repeat = 1 if args.quick else args.repeat
-    grids = []
-    for w, h in QUICK_SIZES if args.quick else SIZES:
-        rh, rw = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
-        grids.append((1, rh // pp.patch_size, rw // pp.patch_size))
+    grids = image_grids(model_dir, QUICK_SIZES if args.quick else SIZES)
     flops = work(cfg, grids)
     n = int(flops["patches"])
     pixels = torch.randn(n, cfg.patch_dim)

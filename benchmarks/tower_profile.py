@@ -16,7 +16,6 @@ Hooks cost a little; the untimed pass's total is printed beside the hooked one.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import defaultdict
@@ -41,22 +40,10 @@ def main() -> None:
     ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl"])
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    from encoder.models import build_vision_tower
-    from encoder.models.linear import pack_linears
-    from lm_engine.config import EngineConfig
-    from lm_engine.models.registry import load_model_config
-    from preprocess import PreprocessConfig, smart_resize
-
     model_dir = et.ensure_checkpoint(args.model, args.family)
-    dtype = EngineConfig(str(model_dir), dtype=args.dtype).resolve_dtype(load_model_config(model_dir).dtype)
-    config = json.loads((model_dir / "config.json").read_text())
-    tower = build_vision_tower(config, model_dir, dtype=dtype, attention="auto")
-    pack_linears(tower)
-    pp = PreprocessConfig.from_checkpoint(model_dir)
-    grids = []
-    for w, h in et.SIZES:
-        rh, rw = smart_resize(h, w, pp.factor, pp.min_pixels, pp.max_pixels)
-        grids.append((1, rh // pp.patch_size, rw // pp.patch_size))
+    _, tower = et.build_ours(model_dir, et.compute_dtype(model_dir, args.dtype), "auto")
+    dtype = tower.dtype
+    grids = et.image_grids(model_dir, et.SIZES)
     n = sum(t * h * w for t, h, w in grids)
     pixels, grid = torch.randn(n, tower.cfg.patch_dim), torch.tensor(grids)
     with torch.no_grad():

@@ -262,8 +262,8 @@ def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
     were small print, and most of that small images: numbers in images under 128 px a side were read 31 %
     of the time (15 of 49), over 400 px 74 %. The demo preset's min_pixels (12,544 instead of 3,136: such
     images are scaled up to at least 16 tokens) with phase 2's shares moved from single shapes to several
-    (2026-12-02, 40.3 minutes on a machine of the same type, a slower one) read 63.5 % (the shipped model; under 128 px
-    53 %, 26 of 49; 1-4 digits 94/80/56/20 %)."""
+    (2026-12-02, 40.3 minutes on a machine of the same type, a slower one) read 63.5 % (the shipped model;
+    under 128 px 53 %, 26 of 49; 1-4 digits 94/80/56/20 %)."""
     out = torch.full((rows * cols, SLOTS), NO_DIGIT, dtype=torch.long)
     place, last = 0, (None, math.inf)
     for x, y, label in ex.objects:
