@@ -5,11 +5,13 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import threading
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
+from api import chat
 from api.config import ServerArgs, parse_limit_mm
 from api.media import MediaConfig
 from api.server import create_app
@@ -201,24 +203,46 @@ def test_eos_and_ignore_eos(eos_ckpt, eos_oracle):
         assert choice["finish_reason"] == "length"
 
 
-def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt):
+def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt, monkeypatch):
+    """A step that fails after the response started ends the stream with an SSE error event and [DONE]."""
+    # NOTE: paced by events, not by a step count: steps that only wait for the image's encoding return
+    # nothing (how many there are depends on the machine), and an output not yet read when the failure
+    # comes is replaced by the error (the request failed), so the fault waits until a token chunk was
+    # written to the response.
+    chunk_sent = threading.Event()
+    real_deltas = chat._ChunkWriter.deltas
+
+    def deltas_noting_tokens(self, out):
+        delta = real_deltas(self, out)
+        if delta is not None:
+            chunk_sent.set()
+        return delta
+
+    monkeypatch.setattr(chat._ChunkWriter, "deltas", deltas_noting_tokens)
     with make_client(tiny_ckpt) as client:
         engine = client.app.state.engine.engine
         real_step = engine.step
-        calls = {"n": 0}
+        fault = {"armed": False, "fired": False}
 
         def step_failing_mid_stream():
-            calls["n"] += 1
-            if calls["n"] == 3:
+            if fault["armed"] and not fault["fired"]:
+                fault["fired"] = chunk_sent.wait(timeout=60)
                 raise RuntimeError("simulated fault")
-            return real_step()
+            outputs = real_step()
+            fault["armed"] = any(c.token_ids for o in outputs for c in o.outputs)
+            return outputs
 
         engine.step = step_failing_mid_stream
-        resp = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 8, "stream": True})
+        body = {**CHAT, "max_tokens": 8, "stream": True, "return_token_ids": True}
+        resp = client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200
+        assert fault["fired"], "no token chunk was written before the fault"
         events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert '"code":"engine_error"' in events[-2]
+        # mid-stream: the first token's chunk went out before the error
+        sent = [t for e in events[:-2] for c in json.loads(e)["choices"] for t in c["token_ids"]]
+        assert 0 < len(sent) < 8, events
 
 
 @pytest.mark.parametrize(
