@@ -132,6 +132,24 @@ def make_eval_set(seed: int, per_task: int) -> list[tuple[Example, str]]:
     return items
 
 
+DEFAULT_MAX_TOKENS = 16  # the longest answer, "the number NNNN", is 9 tokens and the end of turn
+
+
+def check_max_tokens(model: Path, items: Sequence[tuple[Example, str]], max_tokens: int) -> None:
+    """Every answer must fit in ``max_tokens``: a reply cut short is scored wrong, which is not what a budget
+    level costs. (Found 2026-12-03: at the old default of 8, every "the number NNNN" describe reply was cut to
+    three digits; the describe figures before then are low by that much.)"""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    longest = max(items, key=lambda it: len(tok.encode(it[0].qa[it[1]], add_special_tokens=False).ids))
+    need = len(tok.encode(longest[0].qa[longest[1]], add_special_tokens=False).ids)
+    if need > max_tokens:
+        raise SystemExit(
+            f"--max-tokens {max_tokens}: the answer {longest[0].qa[longest[1]]!r} takes {need} tokens"
+        )
+
+
 def set_digest(items: Sequence[tuple[Example, str]]) -> str:
     h = hashlib.sha256()
     for ex, task in items:
@@ -316,6 +334,7 @@ def plot_accuracy(levels: list[dict], path: Path, title: str) -> None:
 
 def run_accuracy(args: argparse.Namespace, model: Path, label: str, ladder: list[int], out_dir: Path) -> int:
     items = make_eval_set(args.seed, args.per_task)
+    check_max_tokens(model, items, args.max_tokens)
     urls = [data_url(ex) for ex, _ in items]
     plan = {level: how_to_reach(level, ladder) for level in range(len(ladder))}
     by_server: dict[int, list[int]] = defaultdict(list)
@@ -518,6 +537,7 @@ def calibrate(args: argparse.Namespace, model: Path, items: list) -> dict:
 
 def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Path) -> int:
     calib_items, items = overload_pool(args)
+    check_max_tokens(model, [*calib_items, *items], args.max_tokens)
     calib = None
     sustainable = args.sustainable_rate
     if args.rate is None and sustainable is None:
@@ -700,7 +720,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-overload", action="store_true", help="only the accuracy per level")
     p.add_argument("--seed", type=int, default=20000, help="evaluation set seed (never used in training)")
     p.add_argument("--per-task", type=int, help="images per task (default 200; --quick 10)")
-    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="at least the longest answer's tokens"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="accuracy part: requests in flight")
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--startup-timeout-s", type=float, default=900.0)

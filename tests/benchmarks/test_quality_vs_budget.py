@@ -7,8 +7,17 @@ import argparse
 import base64
 import json
 
+import pytest
+
 from benchmarks import load
-from benchmarks.quality_vs_budget import how_to_reach, resolve_model, score, task_trace
+from benchmarks.quality_vs_budget import (
+    DEFAULT_MAX_TOKENS,
+    check_max_tokens,
+    how_to_reach,
+    resolve_model,
+    score,
+    task_trace,
+)
 from lm_engine.models import demo_tasks
 
 
@@ -26,6 +35,17 @@ def test_each_level_is_reached_as_a_client_reaches_it():
     ladder = [100352, 50176, 25088, 3136]
     assert [how_to_reach(k, ladder) for k in range(4)] == [(0, "high"), (1, "auto"), (2, "auto"), (0, "low")]
     assert how_to_reach(0, [3136]) == (0, "high")  # a one-level ladder: the full budget only
+
+
+def test_a_max_tokens_that_would_cut_an_answer_short_is_refused():
+    """At 8 tokens, "the number NNNN" (9 tokens in the demo tokenizer) came back cut to three digits and was
+    scored wrong; the default must hold every answer of the set."""
+    model = resolve_model(None)[0]
+    ex = next(e for i in range(100) if len((e := demo_tasks.sample(0, i, "number")).qa["number"]) == 4)
+    with pytest.raises(SystemExit, match="takes 9 tokens"):
+        check_max_tokens(model, [(ex, "describe")], 8)
+    check_max_tokens(model, [(ex, "describe")], 9)
+    check_max_tokens(model, demo_tasks.eval_set(7, 12), DEFAULT_MAX_TOKENS)
 
 
 def test_the_trace_carries_each_image_and_its_exact_question():
