@@ -6,7 +6,7 @@ under overload, adaptive against fixed budgets, on the demo model and its synthe
 through ``vlmserve serve`` at every level of the visual budget ladder (100 %, 50 %, 25 % of max_pixels, the
 model's minimum), as a client reaches them: level 0 with ``detail: "high"``, the lowest with ``"low"``, the
 middle ones with ``"auto"`` on a server started with ``--visual-budget fixed --visual-level K``. Single-turn
-chats (the image as a ``data:`` URL, then the exact question), temperature 0, ``--max-tokens`` 8,
+chats (the image as a ``data:`` URL, then the exact question), temperature 0, ``--max-tokens`` 16 (every answer must fit),
 ``--concurrency`` 8; a reply is correct when ``normalize(reply) == normalize(answer)``. Every reply's
 ``usage.visual_levels`` and ``X-Visual-Budget-Levels`` must name the level asked for. Reported: accuracy per
 task and level, mean visual tokens per image (from ``usage``), a markdown table, JSON and a plot (accuracy
