@@ -328,6 +328,14 @@ class AuxHeads(torch.nn.Module):
     countable mass; the decoder's counts did not follow: quality_vs_budget at full budget count 67.5 % against
     68.0 %, number 64.5 % against 63.5 % (200 each; at 25 % of the budget count 73.0 against 67.5 %). The run
     took 47.2 minutes, over the bound, partly because benchmarks shared its cores.
+
+    NOTE: tried and not shipped (2026-12-03, the shipped recipe with the per-image count head's loss weighted
+    3x, one run, 43.4 min on a 2-vCPU Xeon with AMX): the tower's own count on unseen 2-6 shape images ended
+    at 0.70 against 0.58, and the decoder followed this time: `benchmarks/demo_eval.py --levels 0` count
+    76.5 % against 68.0 % (3 shapes 30/35 against 18/35), but number 65.0 % against 72.0 % (4 digits 7/46
+    against 13/46); the tower's shape head reached 0.87 instead of 0.98 by the phase's end. Count and number
+    compete for the same tower steps in the time bound: a weight between 1 and 3, or count's weight only in
+    phase 2, is the next thing to try.
     """
 
     def __init__(self, width: int, vision_width: int) -> None:
