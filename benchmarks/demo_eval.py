@@ -10,8 +10,8 @@ held-out set: transformers' Qwen2-VL loaded from the directory, the prompt and p
 (every answer token and the end of turn the argmax). Under bfloat16 autocast where train-demo would use it.
 It is a development loop for the training recipe, not the issue's figure: that stays quality_vs_budget's,
 through the server. The two agree: on 2026-12-03 the shipped checkpoint at full budget read color 1.0, shape
-1.0, count 0.68 and number 0.635 here (`--levels 0`, 35 s), as through the server (count: the same hits and misses per true count);
-describe read 0.755 here against the server's 67.0 %, which was quality_vs_budget's own fault (its
+1.0, count 0.68 and number 0.635 here (`--levels 0`, 35 s), as through the server (count: the same hits and
+misses per true count); describe read 0.755 here against the server's 67.0 %, which was quality_vs_budget's own fault (its
 max_tokens of 8 cut every "the number NNNN" short; it now refuses a max_tokens an answer does not fit in).
 
 Besides the table it prints what the notes on the recipe use: counts by true count and the direction of the
@@ -41,28 +41,17 @@ def replies(model, enc, cfg, exs, task: str, max_pixels: int) -> list[tuple[bool
     """Per example, in order, asked ``task``: (exact match, the reply's first token as text, visual tokens).
     Teacher forced, as train-demo's ``forward``; the first answer token's argmax is the greedy reply's first
     token."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
     out = []
     with torch.no_grad(), cfg.autocast():
         for start in range(0, len(exs), 8):
             chunk = exs[start : start + 8]
             batch = demo_train.make_batch(enc, chunk, [max_pixels] * len(chunk), task_filter=task)
             feats, _, _ = demo_train.encode_images(model, batch)
-            ids, labels = batch["input_ids"], batch["labels"]
-            hidden = model.model(
-                input_ids=ids,
-                attention_mask=batch["attention_mask"],
-                image_grid_thw=batch["grid_thw"][batch["image_of_seq"]],
-                mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))},
-                use_cache=False,
-            ).last_hidden_state
-            for row in range(len(chunk)):
-                where = labels[row] != -100
-                guess = model.lm_head(hidden[row, where]).argmax(-1)
-                exact = bool((guess == labels[row, where]).all())
-                out.append((exact, enc.tok.decode([int(guess[0])]), feats[row].shape[0]))
+            logits, where = demo_train.answer_logits(model, batch, feats)
+            guesses = logits.argmax(-1).split(where.sum(dim=1).tolist())
+            targets = batch["labels"][where].split(where.sum(dim=1).tolist())
+            for guess, target, rows in zip(guesses, targets, feats):
+                out.append((bool((guess == target).all()), enc.tok.decode([int(guess[0])]), rows.shape[0]))
     return out
 
 

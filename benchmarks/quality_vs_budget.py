@@ -6,8 +6,8 @@ under overload, adaptive against fixed budgets, on the demo model and its synthe
 through ``vlmserve serve`` at every level of the visual budget ladder (100 %, 50 %, 25 % of max_pixels, the
 model's minimum), as a client reaches them: level 0 with ``detail: "high"``, the lowest with ``"low"``, the
 middle ones with ``"auto"`` on a server started with ``--visual-budget fixed --visual-level K``. Single-turn
-chats (the image as a ``data:`` URL, then the exact question), temperature 0, ``--max-tokens`` 16 (every answer must fit),
-``--concurrency`` 8; a reply is correct when ``normalize(reply) == normalize(answer)``. Every reply's
+chats (the image as a ``data:`` URL, then the exact question), temperature 0, ``--max-tokens`` 16 (every
+answer must fit), ``--concurrency`` 8; a reply is correct when ``normalize(reply) == normalize(answer)``. Every reply's
 ``usage.visual_levels`` and ``X-Visual-Budget-Levels`` must name the level asked for. Reported: accuracy per
 task and level, mean visual tokens per image (from ``usage``), a markdown table, JSON and a plot (accuracy
 against visual tokens, one line per task).
@@ -142,12 +142,11 @@ def check_max_tokens(model: Path, items: Sequence[tuple[Example, str]], max_toke
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    longest = max(items, key=lambda it: len(tok.encode(it[0].qa[it[1]], add_special_tokens=False).ids))
-    need = len(tok.encode(longest[0].qa[longest[1]], add_special_tokens=False).ids)
+    need, answer = max(
+        (len(tok.encode(a, add_special_tokens=False).ids), a) for a in {ex.qa[t] for ex, t in items}
+    )
     if need > max_tokens:
-        raise SystemExit(
-            f"--max-tokens {max_tokens}: the answer {longest[0].qa[longest[1]]!r} takes {need} tokens"
-        )
+        raise SystemExit(f"--max-tokens {max_tokens}: the answer {answer!r} takes {need} tokens")
 
 
 def set_digest(items: Sequence[tuple[Example, str]]) -> str:

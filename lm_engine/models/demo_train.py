@@ -263,8 +263,8 @@ def token_slots(ex: tasks.Example, rows: int, cols: int) -> torch.Tensor:
     of the time (15 of 49), over 400 px 74 %. The demo preset's min_pixels (12,544 instead of 3,136: such
     images are scaled up to at least 16 tokens) with phase 2's shares moved from single shapes to several
     (2026-12-02, 40.3 minutes on a machine of the same type, a slower one) read 63.5 % (shipped until
-    2026-12-03; under 128 px 53 %, 26 of 49; 1-4 digits 94/80/56/20 %). Its held-out number had still been rising at the
-    end of phase 2 (0.45 at step 400, 0.57 at 700); 950 tower steps and 850 whole-model steps instead, the
+    2026-12-03; under 128 px 53 %, 26 of 49; 1-4 digits 94/80/56/20 %). Its held-out number had still been
+    rising at the end of phase 2 (0.45 at step 400, 0.57 at 700); 950 tower steps and 850 whole-model steps instead, the
     tower's shares moved from single shapes to several numbers (2026-12-03, 41.6 minutes on a 2-vCPU Xeon with
     AMX): 72.0 % (1-4 digits 96/94/65/28 %; `benchmarks/demo_eval.py --levels 0`), count unchanged at 68.0 %,
     held-out number 0.78 at the end. That is the shipped model."""
@@ -640,26 +640,30 @@ def encode_images(
     return feats, pooled, {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
 
 
-def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss, per-sequence exact match [S] bool); with ``aux`` the loss adds the auxiliary heads' loss."""
+def answer_logits(model, batch: dict, feats: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder over a batch's sequences with their images' merged tokens ``feats`` in place: (float32
+    logits at the positions that predict an answer token [A, vocab], and where those are [S, length] bool)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    inner = model.model
-    feats, pooled, dense = encode_images(model, batch)
     per_seq = tuple(feats[i] for i in batch["image_of_seq"].tolist())
     ids = batch["input_ids"]
-    image_pad = model.config.image_token_id
-    out = inner(
+    out = model.model(
         input_ids=ids,
         attention_mask=batch["attention_mask"],
         image_grid_thw=batch["grid_thw"][batch["image_of_seq"]],
-        mm_token_type_ids=(ids == image_pad).int(),
+        mm_token_type_ids=(ids == model.config.image_token_id).int(),
         mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=per_seq)},
         use_cache=False,
     )
+    where = batch["labels"] != -100
+    return model.lm_head(out.last_hidden_state[where]).float(), where
+
+
+def forward(model, batch: dict, aux: AuxHeads | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss, per-sequence exact match [S] bool); with ``aux`` the loss adds the auxiliary heads' loss."""
+    feats, pooled, dense = encode_images(model, batch)
+    logits, where = answer_logits(model, batch, feats)
     labels = batch["labels"]
-    where = labels != -100
-    logits = model.lm_head(out.last_hidden_state[where]).float()
     target = labels[where]
     loss = torch.nn.functional.cross_entropy(logits, target)
     hit = torch.zeros_like(labels, dtype=torch.bool)
