@@ -168,8 +168,17 @@ def train_demo_config(args: argparse.Namespace):
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
+    from lm_engine import memory
     from lm_engine.models import demo_train
 
+    # From a command line: run again under jemalloc where it is installed (memory.jemalloc_relaunch).
+    if args.command_line is not None:
+        relaunch = memory.jemalloc_relaunch([sys.executable, "-m", "api.cli", *args.command_line])
+        if relaunch is not None:
+            argv, env = relaunch
+            print(f"[train-demo] restarting with {env['LD_PRELOAD']} preloaded", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os.execve(sys.executable, argv, env)
     path = demo_train.train(args.out, train_demo_config(args))
     print(f"wrote the demo checkpoint to {path}")
     return 0
@@ -522,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_demo)
 
     args = parser.parse_args(argv)
+    args.command_line = sys.argv[1:] if argv is None else None  # None: called in-process (tests)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 

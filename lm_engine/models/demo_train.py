@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from lm_engine.config import cpu_matmul_is_fast
+from lm_engine.memory import allocator_in_use
 from lm_engine.models import demo_tasks as tasks
 from lm_engine.models.qwen2_vl_make import (
     PRESETS,
@@ -748,7 +749,8 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     log(
         f"[train-demo] {n_params / 1e6:.1f}M parameters: {cfg.tower_steps} tower steps of "
         f"{cfg.tower_batch_images} images, then {cfg.steps} steps of {cfg.batch_images}, "
-        f"{'under bfloat16 autocast' if cfg.bf16() else 'in float32 (bfloat16 is slow on this CPU)'}"
+        f"{'under bfloat16 autocast' if cfg.bf16() else 'in float32 (bfloat16 is slow on this CPU)'}, "
+        f"{allocator_in_use()}'s malloc"
     )
     named = list(model.named_parameters()) + (list(aux.named_parameters(prefix="aux")) if aux else [])
     decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
