@@ -37,7 +37,9 @@ def test_train_demo_command_runs_under_jemalloc_where_installed(tmp_path):
     """The real command line, in a fresh process: the trainer's first line names the allocator it got, and
     the run still writes its checkpoint. bin/setup installs jemalloc (Debian's libjemalloc2)."""
     out = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "VLMSERVE_ALLOCATOR")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "VLMSERVE_ALLOCATOR")
+    }
     cmd = [sys.executable, "-m", "api.cli", "train-demo", "--out", str(out), "--tower-steps", "0"]
     cmd += ["--steps", "1", "--batch-images", "2", "--eval-every", "0"]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
