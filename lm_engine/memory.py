@@ -69,6 +69,11 @@ JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 _RELAUNCHED = "VLMSERVE_JEMALLOC_RELAUNCHED"
 
 
+def installed_jemalloc(paths: tuple[str, ...] = JEMALLOC_PATHS) -> str | None:
+    """The first of ``paths`` that exists, or None."""
+    return next((p for p in paths if os.path.isfile(p)), None)
+
+
 def jemalloc_relaunch(
     argv: list[str], environ: dict[str, str] | None = None, paths: tuple[str, ...] = JEMALLOC_PATHS
 ) -> tuple[list[str], dict[str, str]] | None:
@@ -84,7 +89,7 @@ def jemalloc_relaunch(
     env = dict(os.environ if environ is None else environ)
     if env.get(_RELAUNCHED) or env.get("VLMSERVE_ALLOCATOR", "jemalloc") == "system":
         return None
-    lib = next((p for p in paths if os.path.isfile(p)), None)
+    lib = installed_jemalloc(paths)
     if lib is None:
         return None
     preload = env.get("LD_PRELOAD", "")

@@ -44,8 +44,8 @@ def test_train_demo_command_runs_under_jemalloc_where_installed(tmp_path):
     cmd += ["--steps", "1", "--batch-images", "2", "--eval-every", "0"]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    installed = any(os.path.isfile(p) for p in memory.JEMALLOC_PATHS)
-    assert installed, "jemalloc is missing: bin/setup installs Debian's libjemalloc2"
-    assert f"restarting with {next(p for p in memory.JEMALLOC_PATHS if os.path.isfile(p))}" in run.stderr
+    lib = memory.installed_jemalloc()
+    assert lib is not None, "jemalloc is missing: bin/setup installs Debian's libjemalloc2"
+    assert f"restarting with {lib}" in run.stderr
     assert "jemalloc's malloc" in run.stderr, run.stderr[-2000:]
     assert (out / "model.safetensors").is_file() and (out / "demo_training.json").is_file()
