@@ -15,7 +15,8 @@
  * lanes (see attend_unit_dot), P rounded to bfloat16 as flash attention does; on a CPU with AMX-BF16, and
  * where the caller asks for it (`amx`), the same products run as tile products on the same layouts (see
  * attend_unit_amx). Else they are float32 FMAs on GCC vectors (16 lanes with AVX-512, 8 with AVX2) over 4
- * query rows × 64 keys in registers.
+ * query rows × 4 vectors of keys in registers, the flash loop stepping by 4 vectors of keys (KS: 64 keys with
+ * AVX-512, 32 with AVX2).
  *
  * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
  * compiled path shares one thread pool.
@@ -755,6 +756,10 @@ int vlm_amx_ready(void) {
 #else
 #define RP 2
 #endif
+/* Keys per block of the float32 flash loop: one register tile's width (4 vectors). With AVX2 that is 32, not
+ * KB: a block's k and v tiles (2 · 32 keys · D floats, 16 KB at D 64) then stay in a 32 KB L1 across the
+ * unit's 16 row groups, where 64-key blocks (32 KB) spilled to L2. */
+#define KS (4 * VW)
 
 /* S[RT][4·VW keys] = q · kᵀ in float32; kt: 4 tiles of [D][VW keys]. */
 static inline void qk_f32(const float *q, const float *kt, int64_t d, float *S) {
@@ -788,7 +793,7 @@ static inline __attribute__((always_inline)) void pv_f32(const float *P, const f
         for (int r = 0; r < RP; r++)
             for (int c = 0; c < NV; c++) a[r][c] = *(const vf *)(O + (r0 + r) * d + d0 + c * VW) * corr[r0 + r];
         const float *vrow = vb + d0;
-        for (int64_t jj = 0; jj < KB; jj++, vrow += d) {
+        for (int64_t jj = 0; jj < KS; jj++, vrow += d) {
             vf v0 = *(const vf *)vrow;
             vf v1 = NV > 1 ? *(const vf *)(vrow + VW) : v0;
             vf v2 = NV > 2 ? *(const vf *)(vrow + 2 * VW) : v0;
@@ -821,24 +826,24 @@ static void pv_f32_all(const float *P, const float *vb, int64_t d, float *O, con
 
 /* ---------------------------------------------------------------- the online softmax */
 
-/* One row of S (KB scores, `kv` of them real) → p = 2^(S·scale2 - m) with the running max m and sum l moved
+/* One row of S (KS scores, `kv` of them real) → p = 2^(S·scale2 - m) with the running max m and sum l moved
  * on; returns the factor the row's accumulator is scaled by. */
 static inline float softmax_row(const job_t *j, const float *S, int64_t kv, float *m, float *l, vf *p) {
     const vi iota = IOTA;
-    vf s[KB / VW];
+    vf s[KS / VW];
     vf mx = vsplat(-INFINITY);
-    for (int i = 0; i < KB / VW; i++) {
+    for (int i = 0; i < KS / VW; i++) {
         s[i] = *(const vf *)(S + i * VW) * j->scale2;
-        if (kv < KB) s[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, s[i], vsplat(-INFINITY));
+        if (kv < KS) s[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, s[i], vsplat(-INFINITY));
         mx = vselect(s[i] > mx, s[i], mx);
     }
     const float bmax = vmax_all(mx);
     const float mnew = *m > bmax ? *m : bmax;
     const float corr = exp2f(*m - mnew);
     vf sum = {};
-    for (int i = 0; i < KB / VW; i++) {
+    for (int i = 0; i < KS / VW; i++) {
         p[i] = exp2_v(s[i] - mnew);
-        if (kv < KB) p[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, p[i], (vf){});
+        if (kv < KS) p[i] = vselect(iota + i * VW < (vi){} + (int32_t)kv, p[i], (vf){});
         sum += p[i];
     }
     *l = *l * corr + vsum_all(sum);
@@ -886,13 +891,12 @@ static void attend_unit(job_t *j, int64_t u) {
     float m[QB], l[QB], corr[RT];
     memset(O, 0, sizeof(float) * (size_t)(groups * RT * d));
     for (int64_t i = 0; i < QB; i++) m[i] = -INFINITY, l[i] = 0.0f;
-    for (int64_t k0 = 0; k0 < len; k0 += KB) {
-        const int64_t kv = len - k0 < KB ? len - k0 : KB;
+    for (int64_t k0 = 0; k0 < len; k0 += KS) {
+        const int64_t kv = len - k0 < KS ? len - k0 : KS;
         for (int64_t g = 0; g < groups; g++) {
             float *o = O + g * RT * d, *mg = m + g * RT, *lg = l + g * RT;
             const float *q = (const float *)j->qp + (base + r0 + g * RT) * d;
-            for (int t = 0; t < KB / (4 * VW); t++)
-                qk_f32(q, (const float *)j->kp + (base + k0 + t * 4 * VW) * d, d, S + t * 4 * VW);
+            qk_f32(q, (const float *)j->kp + (base + k0) * d, d, S);
             for (int r = 0; r < RT; r++) corr[r] = softmax_row(j, S + r * KB, kv, mg + r, lg + r, (vf *)(P + r * KB));
             pv_f32_all(P, (const float *)j->vp + (base + k0) * d, d, o, corr);
         }
