@@ -11,8 +11,8 @@ from encoder.attention import KernelAttention, Segments, TorchAttention, choose_
 LIB = cpu_kernel.load()
 pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler: the kernel could not be built")
 
-# Segment lengths around the kernel's 64-row blocks, its 16-row (bf16) and 4-row (float32) tiles and 16-key
-# score tiles, one-patch segments, empty ones.
+# Segment lengths around the kernel's 64-row blocks, its 16-row (bf16) and 4-row (float32) tiles, 16-key
+# score tiles and 32-key float32 steps (AVX2), one-patch segments, empty ones.
 LENGTHS = [[1], [63, 64, 65], [200, 1, 130, 4], [0, 7, 0, 300], [15, 16, 17, 33]]
 SHAPES = [(2, 16), (3, 64), (2, 80), (1, 128)]  # (heads, head_dim): tiny, small, Qwen2-VL's, wide
 # head dims whose tail after the 64-wide register blocks is 32 and 48 (the products' 2- and 3-vector cases)
