@@ -757,8 +757,9 @@ int vlm_amx_ready(void) {
 #define RP 2
 #endif
 /* Keys per block of the float32 flash loop: one register tile's width (4 vectors). With AVX2 that is 32, not
- * KB: a block's k and v tiles (2 · 32 keys · D floats, 16 KB at D 64) then stay in a 32 KB L1 across the
- * unit's 16 row groups, where 64-key blocks (32 KB) spilled to L2. */
+ * KB: on a 2-vCPU Zen 3, 2 threads, 8-30 % faster (benchmarks/README.md), equal on one thread. The reason is
+ * not settled: a block's k and v tiles are 16 KB at D 64 instead of 32 KB, the whole of that CPU's L1, which
+ * the unit's 16 row groups reread them from. */
 #define KS (4 * VW)
 
 /* S[RT][4·VW keys] = q · kᵀ in float32; kt: 4 tiles of [D][VW keys]. */
