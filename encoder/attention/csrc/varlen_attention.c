@@ -762,7 +762,7 @@ int vlm_amx_ready(void) {
  * the unit's 16 row groups reread them from. */
 #define KS (4 * VW)
 
-/* S[RT][4·VW keys] = q · kᵀ in float32; kt: 4 tiles of [D][VW keys]. */
+/* S[RT][KS keys] = q · kᵀ in float32 (KS = its 4 vectors of keys); kt: 4 tiles of [D][VW keys]. */
 static inline void qk_f32(const float *q, const float *kt, int64_t d, float *S) {
     const int64_t ts = (int64_t)VW * d;
     for (int r0 = 0; r0 < RT; r0 += RP) {
