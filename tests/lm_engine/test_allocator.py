@@ -4,6 +4,7 @@ glibc's malloc took 10-14 % of a training step's CPU time. The relaunch happens 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -35,11 +36,11 @@ def test_relaunch_preloads_jemalloc_once(tmp_path):
 
 def test_train_demo_command_runs_under_jemalloc_where_installed(tmp_path):
     """The real command line, in a fresh process: the trainer's first line names the allocator it got, and
-    the run still writes its checkpoint. bin/setup installs jemalloc (Debian's libjemalloc2)."""
+    the run still writes its checkpoint. bin/setup installs jemalloc (Debian's libjemalloc2). The run records
+    oneDNN's per-shape caches capped (uncapped, a default run grew to 24 GB: every batch is another shape)."""
     out = tmp_path / "ckpt"
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "VLMSERVE_ALLOCATOR")
-    }
+    unset = ("LD_PRELOAD", "MALLOC_CONF", "VLMSERVE_ALLOCATOR", *memory._CACHE_VARIABLES)
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     cmd = [sys.executable, "-m", "api.cli", "train-demo", "--out", str(out), "--tower-steps", "0"]
     cmd += ["--steps", "1", "--batch-images", "2", "--eval-every", "0"]
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -49,3 +50,8 @@ def test_train_demo_command_runs_under_jemalloc_where_installed(tmp_path):
     assert f"restarting with {lib}" in run.stderr
     assert "jemalloc's malloc" in run.stderr, run.stderr[-2000:]
     assert (out / "model.safetensors").is_file() and (out / "demo_training.json").is_file()
+    meta = json.loads((out / "demo_training.json").read_text())
+    assert meta["native_caches"] == {
+        name: str(memory.NATIVE_CACHE_ENTRIES) for name in memory._CACHE_VARIABLES
+    }
+    assert 0 < meta["peak_rss_gb"] < 8

@@ -112,3 +112,35 @@ def test_tower_batches_carry_token_slots_for_every_merged_token(encoder):
         assert named == drawn, ex.kind  # each digit in exactly one token, at one place
     assert (per_image[2] == demo_train.NO_DIGIT).all()
     assert batch["aux"]["digits"][0].tolist() == [-100] * demo_train.AUX_DIGITS  # no single answer
+
+
+def test_count_weight_scales_the_count_heads_loss_alone(encoder):
+    """TrainConfig's count weights reach AuxHeads.loss, which multiplies the per-image count head's cross
+    entropy (recomputed here with torch's) and no other term: the other heads' gradients do not move."""
+    model = demo_train.build_model(seed=0)
+    aux = demo_train.AuxHeads(model.config.text_config.hidden_size, model.config.vision_config.embed_dim)
+    examples = [tasks.sample(5, i, kind) for i, kind in enumerate(("many", "single", "many", "number"))]
+    batch = make_batch(encoder, examples, [encoder.pre.max_pixels // 4] * 4, sequences=False)
+    with torch.no_grad():
+        _, pooled, dense = demo_train.encode_images(model, batch)
+    target = batch["aux"]["count"]
+    assert (target[[0, 2]] != -100).all() and (target[3] == -100)  # the shape images carry a count
+    count_ce = torch.nn.functional.cross_entropy(aux.count(pooled), target, ignore_index=-100)
+
+    def loss_and_grads(weight: float) -> tuple[float, dict[str, torch.Tensor]]:
+        aux.zero_grad()
+        loss = aux.loss(pooled, dense, batch["aux"], count_weight=weight)
+        loss.backward()
+        return loss.item(), {name: p.grad.clone() for name, p in aux.named_parameters() if p.grad is not None}
+
+    one, grads_one = loss_and_grads(1.0)
+    three, grads_three = loss_and_grads(3.0)
+    assert three - one == pytest.approx(2 * count_ce.item(), rel=1e-4)
+    for name, grad in grads_one.items():
+        if name.startswith("count."):
+            assert not torch.allclose(grads_three[name], grad)
+            torch.testing.assert_close(grads_three[name], 3 * grad)
+        else:
+            torch.testing.assert_close(grads_three[name], grad)
+    # the defaults are the shipped checkpoint's recipe (its demo_training.json predates the two fields)
+    assert (demo_train.TrainConfig().tower_count_weight, demo_train.TrainConfig().count_weight) == (1.0, 1.0)
