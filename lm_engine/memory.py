@@ -12,8 +12,24 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 
 log = logging.getLogger("vlmserve.memory")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux's ru_maxrss counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
 
 NATIVE_CACHE_ENTRIES = 16
 # ideep's per-shape primitive cache (PyTorch's oneDNN glue) and oneDNN's own.

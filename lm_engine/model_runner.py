@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import resource
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,15 +14,12 @@ from encoder.models.linear import pack_linears
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
+from lm_engine.memory import peak_rss_bytes
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.step_inputs import build_step
 
 log = logging.getLogger("vlmserve.engine")
-
-
-def _rss_peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _available_memory_bytes() -> int:
@@ -126,14 +122,14 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
         else:
-            base = _rss_peak_bytes()
+            base = peak_rss_bytes()
         if image_patches:
             self._warm_vision(image_patches)
         self._warm_decoder(max_tokens)
         if cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
-        return max(0, _rss_peak_bytes() - base)
+        return max(0, peak_rss_bytes() - base)
 
     def _warm_vision(self, image_patches: int) -> None:
         """The vision tower on one square image of about ``image_patches`` patches."""

@@ -30,8 +30,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import resource
 import sys
 import time
 from collections import defaultdict
@@ -41,7 +39,7 @@ from pathlib import Path
 import torch
 
 from lm_engine.config import cpu_matmul_is_fast
-from lm_engine.memory import allocator_in_use, bound_native_caches
+from lm_engine.memory import allocator_in_use, bound_native_caches, peak_rss_bytes, rss_bytes
 from lm_engine.models import demo_tasks as tasks
 from lm_engine.models.qwen2_vl_make import (
     PRESETS,
@@ -761,15 +759,6 @@ def lr_at(step: int, cfg: TrainConfig, steps: int | None = None, lr: float | Non
     return lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def rss_gb() -> float:
-    """This process's resident memory now, in GB (0 where /proc is not there): the progress lines show it."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Path:
     """Train and write the checkpoint directory; returns its path."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -829,7 +818,7 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
             mean_acc = sum(r[1] for r in recent) / len(recent)
             log(
                 f"[train-demo] step {step + 1}/{cfg.steps} loss {mean_loss:.3f} batch-exact {mean_acc:.2f} "
-                f"{seen / dt:.1f} img/s {rss_gb():.1f} GB elapsed {(time.perf_counter() - t0) / 60:.1f} min eta {eta / 60:.1f} min"
+                f"{seen / dt:.1f} img/s {rss_bytes() / 1e9:.1f} GB elapsed {(time.perf_counter() - t0) / 60:.1f} min eta {eta / 60:.1f} min"
             )
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
             acc = evaluate(model, enc, cfg, held_out, int(enc.pre.max_pixels * cfg.eval_fraction))
@@ -842,7 +831,7 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
         "torch": torch.__version__,
         "autocast": "bfloat16" if cfg.bf16() else "float32",
         "native_caches": caches,
-        "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
+        "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),
     }
     (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
@@ -885,7 +874,7 @@ def train_tower(model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0:
             log(
                 f"[train-demo] tower step {step + 1}/{cfg.tower_steps} aux loss {sum(losses) / len(losses):.3f} "
                 f"heads on unseen images: {heads} "
-                f"{(step + 1) * cfg.tower_batch_images / dt:.1f} img/s {rss_gb():.1f} GB eta {eta / 60:.1f} min"
+                f"{(step + 1) * cfg.tower_batch_images / dt:.1f} img/s {rss_bytes() / 1e9:.1f} GB eta {eta / 60:.1f} min"
             )
     # NOTE: AdamW's moments of the tower carry into phase 2; the decoder's start at zero there
     opt.zero_grad(set_to_none=True)
