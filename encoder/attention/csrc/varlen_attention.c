@@ -14,9 +14,9 @@
  * products are bf16 dot products (vdpbf16ps, float32 accumulation) over tiles of 16 query rows held in the
  * lanes (see attend_unit_dot), P rounded to bfloat16 as flash attention does; on a CPU with AMX-BF16, and
  * where the caller asks for it (`amx`), the same products run as tile products on the same layouts (see
- * attend_unit_amx). Else they are float32 FMAs on GCC vectors (16 lanes with AVX-512, 8 with AVX2) over 4
- * query rows × 4 vectors of keys in registers, the flash loop stepping by 4 vectors of keys (KS: 64 keys with
- * AVX-512, 32 with AVX2).
+ * attend_unit_amx). Else they are float32 FMAs: with AVX2 (no AVX-512) on 6 × 16 register tiles that hold
+ * 16 query rows in the lanes (see attend_unit_t); elsewhere on GCC vectors (16 lanes with AVX-512) over 4 query
+ * rows × 4 vectors of keys in registers, the flash loop stepping by 4 vectors of keys (KS).
  *
  * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
  * compiled path shares one thread pool.
@@ -54,6 +54,14 @@
 #define VW 8
 #define IOTA {0, 1, 2, 3, 4, 5, 6, 7}
 #define LANE0 0, 0, 0, 0, 0, 0, 0, 0
+#endif
+
+/* The float32 products with 8 lanes (AVX2 + FMA, no AVX-512) hold query rows in the lanes (see attend_unit_t). */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ROWS_IN_LANES 1
+#else
+#define ROWS_IN_LANES 0
 #endif
 
 #define QB 64 /* query rows per unit of work, and the row padding of every segment */
@@ -242,11 +250,21 @@ static void load_row(const job_t *j, int64_t row, int64_t which, int64_t h, floa
     }
 }
 
-/* The float32 products' layouts: q and v as rows, k in tiles of VW keys [D][VW]. (The bf16 paths pack with
- * pack_unit_bf16.) */
+#define RG 16 /* query rows per lane group of attend_unit_t: two vectors of 8 */
+
+/* The float32 products' layouts: q and v as rows, k in tiles of VW keys [D][VW] (with ROWS_IN_LANES: q in tiles
+ * of RG rows, k and v as rows). (The bf16 paths pack with pack_unit_bf16.) */
 static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q, const float *k, const float *v) {
     const int64_t d = j->d, base = h * j->padded;
     float *qp = j->qp, *kp = j->kp, *vp = j->vp;
+#if ROWS_IN_LANES
+    /* q in tiles of RG rows [D][RG], k and v as rows */
+    const int64_t group = prow / RG, slot = prow % RG;
+    for (int64_t e = 0; e < d; e++) qp[(base + group * RG) * d + e * RG + slot] = q[e];
+    memcpy(kp + (base + prow) * d, k, (size_t)d * sizeof(float));
+    memcpy(vp + (base + prow) * d, v, (size_t)d * sizeof(float));
+    return;
+#endif
     const int64_t tile = prow / VW, lane = prow % VW;
     memcpy(qp + (base + prow) * d, q, (size_t)d * sizeof(float));
     for (int64_t e = 0; e < d; e++) kp[(base + tile * VW) * d + e * VW + lane] = k[e];
@@ -852,6 +870,160 @@ static inline float softmax_row(const job_t *j, const float *S, int64_t kv, floa
     return corr;
 }
 
+#if ROWS_IN_LANES
+/* ---------------------------------------------------------------- float32 with query rows in the lanes (AVX2)
+ *
+ * Each 16 query rows of a unit are two vectors: the scores are Sᵀ [keys][16 rows], so the online softmax's max
+ * and sum per row are lane-wise over keys (no horizontal reductions per row and block), the correction a vector
+ * exp2, and both products are the 6 × 16 register tile of AVX2 matrix kernels: 12 accumulators, two vector
+ * loads and six broadcasts per 12 FMAs (16 registers: 12 + 2 + 1). q·kᵀ runs 6 keys × 16 rows over the head
+ * dims with q in tiles [D][16] and k as rows; P·v runs 6 dims × 16 rows over the keys with Pᵀ [keys][16] and v
+ * as rows, into Oᵀ [D][16]. */
+#define KT 64 /* keys per block (32: equal within this VM's noise, 2026-12-03) */
+
+/* 2^x for x <= 0 on 8 lanes: as exp2_v; the exponent is added to p's bits (x >= -126 keeps it from wrapping
+ * below zero; the clamp's p · 2^-126 may come out denormal-rounded, far below anything a sum notices). */
+static inline __m256 exp2_8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_fmadd_ps(f, _mm256_set1_ps(1.5403530393381606e-4f), _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+/* Sᵀ rows j0 .. j0 + NK of the block: S[j][16] = k[j] · q for the 16 rows of the tile qt [D][16]; x: the
+ * rows' running max over the block's real keys (j < kv). */
+static inline __attribute__((always_inline)) void qk_t(const float *qt, const float *kb, int64_t d, int64_t j0,
+                                                       const int NK, float *S, int64_t kv, __m256 x[2]) {
+    __m256 a[6][2];
+    for (int t = 0; t < NK; t++) a[t][0] = a[t][1] = _mm256_setzero_ps();
+    const float *kr = kb + j0 * d;
+    for (int64_t e = 0; e < d; e++) {
+        __m256 q0 = _mm256_load_ps(qt + e * RG), q1 = _mm256_load_ps(qt + e * RG + 8);
+        __asm__("" : "+x"(q0), "+x"(q1)); /* in registers for all NK keys, not folded into each FMA */
+#pragma GCC unroll 6
+        for (int t = 0; t < NK; t++) {
+            const __m256 b = _mm256_broadcast_ss(kr + t * d + e);
+            a[t][0] = _mm256_fmadd_ps(b, q0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(b, q1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < NK; t++) {
+        _mm256_store_ps(S + (j0 + t) * RG, a[t][0]);
+        _mm256_store_ps(S + (j0 + t) * RG + 8, a[t][1]);
+        if (j0 + t < kv) {
+            x[0] = _mm256_max_ps(x[0], a[t][0]);
+            x[1] = _mm256_max_ps(x[1], a[t][1]);
+        }
+    }
+}
+
+/* Oᵀ dims d0 .. d0 + ND, for 16 rows: Oᵀ[e] = Oᵀ[e] · corr + Σ_j v[j][e] · Pᵀ[j] over the block's kv keys. */
+static inline __attribute__((always_inline)) void pv_t(const float *P, const float *vb, int64_t d, int64_t kv,
+                                                       int64_t d0, const int ND, float *OT, __m256 c0, __m256 c1) {
+    __m256 a[6][2];
+    for (int t = 0; t < ND; t++) {
+        a[t][0] = _mm256_mul_ps(_mm256_load_ps(OT + (d0 + t) * RG), c0);
+        a[t][1] = _mm256_mul_ps(_mm256_load_ps(OT + (d0 + t) * RG + 8), c1);
+    }
+    const float *vr = vb + d0;
+    for (int64_t jj = 0; jj < kv; jj++, vr += d) {
+        __m256 p0 = _mm256_load_ps(P + jj * RG), p1 = _mm256_load_ps(P + jj * RG + 8);
+        __asm__("" : "+x"(p0), "+x"(p1));
+#pragma GCC unroll 6
+        for (int t = 0; t < ND; t++) {
+            const __m256 b = _mm256_broadcast_ss(vr + t);
+            a[t][0] = _mm256_fmadd_ps(b, p0, a[t][0]);
+            a[t][1] = _mm256_fmadd_ps(b, p1, a[t][1]);
+        }
+    }
+    for (int t = 0; t < ND; t++) {
+        _mm256_store_ps(OT + (d0 + t) * RG, a[t][0]);
+        _mm256_store_ps(OT + (d0 + t) * RG + 8, a[t][1]);
+    }
+}
+
+/* Sᵀ (kv keys × 16 rows, their max x) → Pᵀ in place, m and l (two vectors each, m in scaled units) moved on;
+ * returns the accumulators' correction in c. */
+static inline void softmax_t(float *S, int64_t kv, const __m256 x[2], float scale2, __m256 m[2], __m256 l[2],
+                             __m256 c[2]) {
+    const __m256 sc = _mm256_set1_ps(scale2);
+    const __m256 n0 = _mm256_max_ps(m[0], _mm256_mul_ps(x[0], sc)), n1 = _mm256_max_ps(m[1], _mm256_mul_ps(x[1], sc));
+    c[0] = exp2_8(_mm256_sub_ps(m[0], n0));
+    c[1] = exp2_8(_mm256_sub_ps(m[1], n1));
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+#pragma GCC unroll 2
+    for (int64_t jj = 0; jj < kv; jj++) {
+        const __m256 p0 = exp2_8(_mm256_fmsub_ps(_mm256_load_ps(S + jj * RG), sc, n0));
+        const __m256 p1 = exp2_8(_mm256_fmsub_ps(_mm256_load_ps(S + jj * RG + 8), sc, n1));
+        _mm256_store_ps(S + jj * RG, p0);
+        _mm256_store_ps(S + jj * RG + 8, p1);
+        s0 = _mm256_add_ps(s0, p0);
+        s1 = _mm256_add_ps(s1, p1);
+    }
+    l[0] = _mm256_fmadd_ps(l[0], c[0], s0);
+    l[1] = _mm256_fmadd_ps(l[1], c[1], s1);
+    m[0] = n0;
+    m[1] = n1;
+}
+
+static void attend_unit_t(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
+                          int64_t base) {
+    const int64_t d = j->d, groups = (rows + RG - 1) / RG;
+    float OT[QB / RG][MAX_D * RG] __attribute__((aligned(32)));
+    float S[KT * RG] __attribute__((aligned(32)));
+    __m256 m[QB / RG][2], l[QB / RG][2], c[2];
+    for (int64_t g = 0; g < groups; g++) {
+        memset(OT[g], 0, sizeof(float) * (size_t)(d * RG));
+        m[g][0] = m[g][1] = _mm256_set1_ps(-INFINITY);
+        l[g][0] = l[g][1] = _mm256_setzero_ps();
+    }
+    const float *qp = j->qp, *kp = j->kp, *vp = j->vp;
+    for (int64_t k0 = 0; k0 < len; k0 += KT) {
+        const int64_t kv = len - k0 < KT ? len - k0 : KT;
+        const float *kb = kp + (base + k0) * d, *vb = vp + (base + k0) * d;
+        for (int64_t g = 0; g < groups; g++) {
+            const float *qt = qp + (base + r0 + g * RG) * d;
+            /* Tiles of 5 or 6 keys (dims) until the rest is a multiple of 6: 64 = 5 + 5 + 9 × 6, every tile
+             * with at least the 8 accumulators that cover the FMAs' latency. Keys past kv are the segment's
+             * zero padding (KT divides QB): computed, never read. */
+            __m256 x[2] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY)};
+            for (int64_t j0 = 0; j0 < kv;) {
+                if ((KT - j0) % 6 == 0) qk_t(qt, kb, d, j0, 6, S, kv, x), j0 += 6;
+                else qk_t(qt, kb, d, j0, 5, S, kv, x), j0 += 5;
+            }
+            softmax_t(S, kv, x, j->scale2, m[g], l[g], c);
+            for (int64_t d0 = 0; d0 < d;) {
+                if ((d - d0) % 6 == 0) pv_t(S, vb, d, kv, d0, 6, OT[g], c[0], c[1]), d0 += 6;
+                else pv_t(S, vb, d, kv, d0, 5, OT[g], c[0], c[1]), d0 += 5;
+            }
+        }
+    }
+    const int64_t stride = j->heads * d;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t g = i / RG, slot = i % RG;
+        float lv[8];
+        _mm256_storeu_ps(lv, l[g][slot / 8]);
+        const float inv = 1.0f / lv[slot % 8];
+        const float *ot = OT[g] + slot;
+        const int64_t off = (j->cu[s] + r0 + i) * stride + h * d;
+        if (j->bf16_in) {
+            uint16_t *o = (uint16_t *)j->out + off;
+            for (int64_t e = 0; e < d; e++) o[e] = f32_to_bf16(ot[e * RG] * inv);
+        } else {
+            float *o = (float *)j->out + off;
+            for (int64_t e = 0; e < d; e++) o[e] = ot[e * RG] * inv;
+        }
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------- one unit: 64 query rows of a head */
 
 static void write_rows(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, const float *O, const float *l) {
@@ -886,6 +1058,10 @@ static void attend_unit(job_t *j, int64_t u) {
         attend_unit_dot(j, s, h, r0, rows, len, base);
         return;
     }
+#endif
+#if ROWS_IN_LANES
+    attend_unit_t(j, s, h, r0, rows, len, base);
+    return;
 #endif
     float O[QB * MAX_D] __attribute__((aligned(64)));
     float S[RT * KB] __attribute__((aligned(64))), P[RT * KB] __attribute__((aligned(64)));
