@@ -54,9 +54,9 @@ class ModelRunner:
         self.model.load_weights(model_dir)
         self.model.eval()
         self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)
-        packed = pack_linears(self.model) + pack_linears(self.vision)
+        packed = pack_linears(self.model, pool="prefill") + pack_linears(self.vision, pool="vision")
         if packed:
-            log.info("%d linear layers with weights packed for oneDNN", packed)
+            log.info("%d linear layers with weights packed (oneDNN's bfloat16 or our float32 kernel)", packed)
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
         self.num_blocks = self._size_kv_pool(config, max_model_len)

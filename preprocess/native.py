@@ -66,8 +66,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
 
 
-def _build(cc: str, source: Path, march: str = "native") -> Path:
-    flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
+def _build(cc: str, source: Path, march: str = "native", extra: tuple[str, ...] = ()) -> Path:
+    flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS] + list(extra)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(
@@ -97,10 +97,10 @@ def _build(cc: str, source: Path, march: str = "native") -> Path:
     return out
 
 
-def load_library(source: Path, march: str = "native") -> ctypes.CDLL | None:
+def load_library(source: Path, march: str = "native", extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library built from ``source``, or ``None`` (disabled, no compiler, or the build failed: logged).
     ``march``: the instruction set it is built for; tests pass an older one (``x86-64-v3``: AVX2 and FMA)
-    to run the code paths of other CPUs than this one.
+    to run the code paths of other CPUs than this one. ``extra``: more compiler flags (``-fopenmp``).
 
     Not cached here: each caller caches its own (and sets the argtypes) behind ``functools.cache``."""
     if switched_off("VLMSERVE_CPU_KERNELS"):
@@ -110,7 +110,7 @@ def load_library(source: Path, march: str = "native") -> ctypes.CDLL | None:
         log.warning("no C compiler (%s): no %s kernel, using the slower fallback path", cc, source.stem)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, source, march)))
+        return ctypes.CDLL(str(_build(cc, source, march, extra)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("%s kernel unavailable, using the slower fallback path: %s", source.stem, exc)
         return None

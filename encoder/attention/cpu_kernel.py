@@ -27,7 +27,9 @@ MAX_HEAD_DIM = 256
 @functools.cache
 def load(march: str = "native") -> ctypes.CDLL | None:
     """The compiled library, or ``None`` (see :func:`preprocess.native.load_library`)."""
-    lib = load_library(_SOURCE, march)
+    # NOTE: with OpenMP the library's parallel calls run on torch's own OpenMP threads (see dispatch() in the
+    # source); a compiler without it builds the library's own thread pool instead.
+    lib = load_library(_SOURCE, march, ("-fopenmp",)) or load_library(_SOURCE, march)
     if lib is None:
         return None
     fn = lib.vlm_varlen_attention
@@ -52,6 +54,14 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     causal.restype = ctypes.c_int
     # q, k, v, out, lq, lk, heads, kv_heads, head_dim, q/k/v/out row strides, scale, threads, amx
     causal.argtypes = [_PTR] * 4 + [_I64] * 9 + [ctypes.c_float, _I64, _I64]
+    lib.vlm_linear_packed_size.restype = _I64
+    lib.vlm_linear_packed_size.argtypes = [_I64, _I64]
+    lib.vlm_linear_pack.restype = ctypes.c_int
+    # w, n, k, ldw, wp
+    lib.vlm_linear_pack.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+    lib.vlm_linear.restype = ctypes.c_int
+    # x, m, k, ldx, wp, n, bias, y, ldy, threads, pool
+    lib.vlm_linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
     return lib
 
 
@@ -255,3 +265,69 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         torch.get_num_threads(),
     )
     return out
+
+
+POOLS = {"vision": 0, "prefill": 1}  # the library's thread pools: the tower's and the decoder's own
+
+
+def has_linear(lib: ctypes.CDLL | None) -> bool:
+    """Whether this build runs float32 linear layers (:func:`pack_linear`, :func:`linear`): the AVX2 build."""
+    return lib is not None and lib.vlm_linear_packed_size(16, 16) > 0
+
+
+def pack_linear(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[N, K]`` weight in the layout :func:`linear` reads (panels of 16 output columns)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(
+            f"pack_linear: unsupported weight {tuple(weight.shape)} {weight.dtype} {weight.device}"
+        )
+    n, k = weight.shape
+    weight = weight.detach().contiguous()
+    packed = torch.empty(lib.vlm_linear_packed_size(n, k), dtype=torch.float32)
+    _run(lib.vlm_linear_pack, "linear pack", weight.data_ptr(), n, k, k, packed.data_ptr())
+    return packed
+
+
+def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """:func:`pack_linear`'s inverse: the ``[N, K]`` weight."""
+    panels = (n + 15) // 16
+    return packed.view(panels, k, 16).permute(0, 2, 1).reshape(panels * 16, k)[:n].contiguous()
+
+
+def linear(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    pool: str = "vision",
+) -> torch.Tensor:
+    """``x · wᵀ + bias`` over x's last dimension (float32, CPU), w packed by :func:`pack_linear`."""
+    k = x.shape[-1]
+    if x.dtype != torch.float32 or x.device.type != "cpu" or packed.numel() != (n + 15) // 16 * 16 * k:
+        raise ValueError(
+            f"linear: unsupported input {tuple(x.shape)} {x.dtype} {x.device} for [{n}, ?] weight"
+        )
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"linear: bias must be a contiguous float32 [{n}]")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    ldx = rows.stride(0) if rows.shape[0] > 1 else k  # a single row's stride can be anything
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    _run(
+        lib.vlm_linear,
+        "linear",
+        rows.data_ptr(),
+        rows.shape[0],
+        k,
+        ldx,
+        packed.data_ptr(),
+        n,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+        POOLS[pool],
+    )
+    return out.view(*x.shape[:-1], n)

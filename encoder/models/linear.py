@@ -1,4 +1,5 @@
-"""Linear layers whose weight oneDNN reorders once, not on every call (CPU, bfloat16).
+"""Linear layers whose weight is reordered once, not on every call: oneDNN's (CPU, bfloat16) and our compiled
+float32 one (:class:`KernelLinear`, AVX2 machines).
 
 torch's bfloat16 ``F.linear`` on a CPU hands oneDNN the weight in its plain layout, and oneDNN copies it into
 its blocked layout inside every call: one more pass over the whole weight per call, which is most of a
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from encoder.attention import cpu_kernel
 from preprocess.native import best_times, switched_off
 
 log = logging.getLogger("vlmserve.linear")
@@ -54,6 +56,70 @@ class PackedLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
         )
+
+
+class KernelLinear(nn.Module):
+    """``nn.Linear``'s forward (float32, CPU) on the compiled library's own matrix kernel, the weight packed once
+    into its panels (:func:`encoder.attention.cpu_kernel.linear`): on an AVX2 machine, where torch's float32
+    matmul is MKL's sgemm, measured 1.2-2.4x faster at 8-64 rows (decode steps) and 1.0-1.3x at 512-4,096 rows
+    (2-vCPU Zen 3, 2 threads; benchmarks/README.md). Runs on the library's ``pool`` ("vision" or "prefill")
+    so that the tower and the decoder, each on its own thread, never queue behind each other."""
+
+    def __init__(self, linear: nn.Linear, lib, pool: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.lib, self.pool = lib, pool
+        # NOTE: plain attributes, as in PackedLinear: the module is built after the weights are in.
+        self.packed = cpu_kernel.pack_linear(lib, linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernel.linear(self.lib, x, self.packed, self.out_features, self.bias, self.pool)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = cpu_kernel.unpack_linear(
+            self.packed, self.out_features, self.in_features
+        )
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
+
+
+def kernel_linear_lib(weight: torch.Tensor):
+    """The compiled library where :class:`KernelLinear` applies to this weight on this machine (CPU, float32,
+    the AVX2 build, not switched off by ``VLMSERVE_KERNEL_LINEAR=0``, and a one-time timing finding it no slower
+    than ``F.linear``), else ``None``."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or switched_off("VLMSERVE_KERNEL_LINEAR"):
+        return None
+    lib = cpu_kernel.load()
+    if not cpu_kernel.has_linear(lib) or not kernel_linear_is_faster():
+        return None
+    return lib
+
+
+@functools.cache
+def kernel_linear_is_faster(rounds: int = 5) -> bool:
+    """:class:`KernelLinear` against ``F.linear`` (float32), 768 → 1024, at 16 and at 1,024 rows, timed once per
+    process (best of ``rounds``, alternating; a few tens of milliseconds): no slower at either (within 5 %)."""
+    linear = nn.Linear(768, 1024)
+    ours = KernelLinear(linear, cpu_kernel.load(), "vision")
+    verdicts = []
+    with torch.no_grad():
+        for rows in (16, 1024):
+            x = torch.randn(rows, 768)
+            best = best_times({"plain": lambda x=x: linear(x), "kernel": lambda x=x: ours(x)}, rounds)
+            log.info(
+                "float32 linear, %d rows: torch %.0f us, kernel %.0f us",
+                rows,
+                best["plain"] * 1e6,
+                best["kernel"] * 1e6,
+            )
+            verdicts.append(best["kernel"] <= 1.05 * best["plain"])
+    return all(verdicts)
 
 
 def native_bf16() -> bool:
@@ -96,15 +162,23 @@ def packed_is_faster(rows: int = 32, width: int = 1024, rounds: int = 5) -> bool
     return best["packed"] < best["plain"]
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Swap every ``nn.Linear`` under ``module`` for a :class:`PackedLinear` where :func:`packing_applies`;
-    returns how many were swapped (0: none, the module is unchanged)."""
+def pack_linears(module: nn.Module, pool: str = "vision") -> int:
+    """Swap every ``nn.Linear`` under ``module`` for a :class:`PackedLinear` where :func:`packing_applies`
+    (bfloat16) or a :class:`KernelLinear` on the library's ``pool`` where :func:`kernel_linear_lib` finds it
+    (float32); returns how many were swapped (0: none, the module is unchanged)."""
     found = [
         (parent, name, child)
         for parent in module.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and packing_applies(child.weight)
+        if type(child) is nn.Linear
     ]
+    swapped = 0
     for parent, name, child in found:
-        setattr(parent, name, PackedLinear(child))
-    return len(found)
+        if packing_applies(child.weight):
+            setattr(parent, name, PackedLinear(child))
+        elif (lib := kernel_linear_lib(child.weight)) is not None:
+            setattr(parent, name, KernelLinear(child, lib, pool))
+        else:
+            continue
+        swapped += 1
+    return swapped

@@ -1,4 +1,5 @@
-"""Packed bfloat16 linear layers (encoder.models.linear) against F.linear, and what packing leaves unchanged."""
+"""Packed linear layers (encoder.models.linear: oneDNN's bfloat16, our float32 kernel) against F.linear, and
+what packing leaves unchanged."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
 from encoder.models import linear as packing
-from encoder.models.linear import PackedLinear, pack_linears
+from encoder.models.linear import KernelLinear, PackedLinear, pack_linears
 from encoder.pipeline import vision_fingerprint
 from lm_engine import LLM, SamplingParams
 from tests.support import image_part, make_image, user
@@ -82,7 +84,13 @@ def test_engine_generates_the_same_ids_packed(tiny_ckpt, always_faster, monkeypa
 
 def test_what_is_not_packed(monkeypatch, always_faster):
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
-    assert pack_linears(model) == 0  # float32: F.linear is already MKL's
+    monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: False)
+    assert pack_linears(model) == 0  # float32 where our kernel is no faster: F.linear stays
+    monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: True)
+    monkeypatch.setenv("VLMSERVE_KERNEL_LINEAR", "0")
+    assert pack_linears(model) == 0
+    monkeypatch.delenv("VLMSERVE_KERNEL_LINEAR")
+    monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: False)
     model.to(torch.bfloat16)
     monkeypatch.setenv("VLMSERVE_PACKED_LINEAR", "0")
     assert pack_linears(model) == 0
@@ -97,3 +105,103 @@ def test_what_is_not_packed(monkeypatch, always_faster):
         monkeypatch.setattr(packing, "native_bf16", lambda: True)
         assert pack_linears(model) == 2
         assert all(type(m) is PackedLinear for m in (model[0], model[2]))
+
+
+def _v3_library():
+    """The library's AVX2 + FMA build (the one with the float32 linear) wherever this CPU runs it."""
+    import platform
+
+    from preprocess.native import _cpu_flags
+
+    if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
+        return None
+    return cpu_kernel.load("x86-64-v3")
+
+
+V3 = _v3_library()
+needs_v3 = pytest.mark.skipif(
+    not cpu_kernel.has_linear(V3), reason="not an x86-64 CPU with AVX2 and FMA (the float32 linear's build)"
+)
+
+
+@needs_v3
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+@pytest.mark.parametrize("n,k", [(1152, 384), (50, 600), (16, 1)], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_kernel_linear_matches_float64(rows, n, k, bias):
+    """Against F.linear in float64: as close as torch's own float32 F.linear (a column tail past a panel of 16,
+    K over more than one of the kernel's K steps, strided and batched inputs)."""
+    torch.manual_seed(rows + n + k)
+    lin = nn.Linear(k, n, bias=bias)
+    ours = KernelLinear(lin, V3, "vision")
+    x = torch.randn(rows, k)
+    strided = torch.randn(k, rows).t()  # not contiguous: each row a column of another tensor
+    wide = torch.randn(rows, k + 5)[:, 2 : 2 + k]  # rows k + 5 apart
+    batched = torch.randn(2, rows, k)
+    with torch.no_grad():
+        for inp in (x, strided, wide, batched):
+            exact = F.linear(
+                inp.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double()
+            )
+            theirs = (
+                (F.linear(inp, lin.weight, lin.bias).double() - exact).abs().max().item() if rows else 0.0
+            )
+            got = ours(inp)
+            assert got.shape == exact.shape and got.dtype == torch.float32
+            err = (got.double() - exact).abs().max().item() if rows else 0.0
+            assert err <= 2 * theirs + 1e-6, (err, theirs)
+    assert torch.equal(ours.state_dict()["weight"], lin.weight.detach())
+
+
+@needs_v3
+def test_kernel_linear_is_the_same_on_every_pool_and_thread_count():
+    torch.manual_seed(0)
+    lin = nn.Linear(768, 1000)
+    x = torch.randn(517, 768)
+    with torch.no_grad():
+        want = KernelLinear(lin, V3, "vision")(x)
+        assert torch.equal(KernelLinear(lin, V3, "prefill")(x), want)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(KernelLinear(lin, V3, "vision")(x), want)
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_kernel_linear_refuses_what_it_cannot_do():
+    if not cpu_kernel.has_linear(V3):
+        pytest.skip("no float32 linear build here")
+    ours = KernelLinear(nn.Linear(8, 16), V3, "vision")
+    with pytest.raises(ValueError):
+        ours(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        ours(torch.randn(3, 9))
+    with pytest.raises(ValueError):
+        cpu_kernel.pack_linear(V3, torch.randn(4, 4).to(torch.bfloat16))
+
+
+@needs_v3
+def test_engine_generates_the_same_ids_on_the_float32_kernel(tiny_ckpt, monkeypatch):
+    """The decoder's and the tower's float32 linear layers on our kernel (forced, whatever this CPU's timing
+    says): the same greedy ids as with torch's F.linear."""
+    monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "load", lambda march="native": V3)
+    convs = [
+        user("What is in the picture?", image_part(make_image(180, 120, 3))),
+        user("Count to ten, slowly and in words."),
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+
+    def ids(switch: str) -> list[list[int]]:
+        monkeypatch.setenv("VLMSERVE_KERNEL_LINEAR", switch)
+        with LLM(str(tiny_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64) as llm:
+            runner = llm.engine.runner
+            kernels = [
+                m for m in (*runner.model.modules(), *runner.vision.modules()) if isinstance(m, KernelLinear)
+            ]
+            assert (len(kernels) > 0) == (switch == "1")
+            assert {m.pool for m in runner.model.modules() if isinstance(m, KernelLinear)} <= {"prefill"}
+            return [o.outputs[0].token_ids for o in llm.chat(convs, params)]
+
+    assert ids("1") == ids("0")
