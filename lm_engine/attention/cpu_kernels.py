@@ -24,7 +24,8 @@ _PTR = ctypes.c_void_p
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled paged decode library, or ``None`` (see :func:`load_library`)."""
-    lib = load_library(_SOURCE)
+    # with OpenMP: torch's own threads run the units (see the source); else the library's own pool
+    lib = load_library(_SOURCE, extra=("-fopenmp",)) or load_library(_SOURCE)
     if lib is None:
         return None
     for fn in (lib.vlm_paged_decode_f32, lib.vlm_paged_decode_bf16):

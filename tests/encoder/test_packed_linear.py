@@ -205,3 +205,39 @@ def test_engine_generates_the_same_ids_on_the_float32_kernel(tiny_ckpt, monkeypa
             return [o.outputs[0].token_ids for o in llm.chat(convs, params)]
 
     assert ids("1") == ids("0")
+
+
+def _linear_in_child(conn):
+    try:
+        lin = nn.Linear(384, 1152)
+        x = torch.randn(300, 384)
+        packed = cpu_kernel.pack_linear(V3, lin.weight.detach())
+        torch.set_num_threads(2)  # the library is asked for two threads
+        got = cpu_kernel.linear(V3, x, packed, 1152, None, "vision")
+        # NOTE: torch's own OpenMP threads do not survive fork either; the reference runs on one thread.
+        torch.set_num_threads(1)
+        with torch.no_grad():
+            conn.send(bool(torch.allclose(got, F.linear(x, lin.weight), atol=1e-4)))
+    except Exception as exc:  # report, do not hang the parent
+        conn.send(repr(exc))
+
+
+@needs_v3
+def test_kernel_works_in_a_forked_child():
+    """The parent ran the library's calls on OpenMP threads; a forked child (whose OpenMP team is gone) asks
+    for two threads and must get an answer, not hang."""
+    import multiprocessing as mp
+
+    torch.manual_seed(1)
+    lin = nn.Linear(384, 1152)
+    with torch.no_grad():
+        KernelLinear(lin, V3, "vision")(torch.randn(600, 384))  # two threads in the parent
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_linear_in_child, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(30), "the forked child hung in the kernel"
+        assert parent.recv() is True
+    finally:
+        proc.kill()
+        proc.join()

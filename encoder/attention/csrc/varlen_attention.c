@@ -1197,6 +1197,23 @@ static void pool_grow(pool_t *pool, int64_t want) {
 
 /* Runs every unit of j on the caller and up to threads - 1 of the pool's threads; the caller holds
  * pool->call. */
+#ifdef _OPENMP
+/* libgomp's team does not survive fork (a child waits on threads it does not have): in a child of a process
+ * that ran this library's OpenMP regions, the calls go to the library's own pool instead. */
+static atomic_int omp_ran, omp_unusable;
+static void omp_after_fork(void) {
+    if (atomic_load(&omp_ran)) atomic_store(&omp_unusable, 1);
+}
+static void register_omp_fork(void) { pthread_atfork(NULL, NULL, omp_after_fork); }
+static int use_omp(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_omp_fork);
+    if (atomic_load(&omp_unusable)) return 0;
+    atomic_store(&omp_ran, 1);
+    return 1;
+}
+#endif
+
 static void dispatch(pool_t *pool, job_t *j, int64_t threads) {
     atomic_store(&j->next, 0);
     if (threads > j->units) threads = j->units;
@@ -1209,10 +1226,11 @@ static void dispatch(pool_t *pool, job_t *j, int64_t threads) {
      * NOTE: on a pool of our own, the OpenMP workers torch's last parallel op left spinning (libgomp's
      * GOMP_SPINCOUNT, a few ms) took a core from our threads: a 768 → 1024 float32 linear of 1,024 rows right
      * after a torch call took 15.5 ms against 10.5 with GOMP_SPINCOUNT=10000 (2-vCPU Zen 3). */
-    (void)pool;
+    if (use_omp()) {
 #pragma omp parallel num_threads((int)threads)
-    work(j);
-    return;
+        work(j);
+        return;
+    }
 #endif
     pool_grow(pool, threads - 1);
     pthread_mutex_lock(&pool->lock);

@@ -289,6 +289,23 @@ static void pool_grow(int64_t want) {
     }
 }
 
+#ifdef _OPENMP
+/* libgomp's team does not survive fork (a child waits on threads it does not have): in a child of a process
+ * that ran this library's OpenMP regions, the calls go to the library's own pool instead. */
+static atomic_int omp_ran, omp_unusable;
+static void omp_after_fork(void) {
+    if (atomic_load(&omp_ran)) atomic_store(&omp_unusable, 1);
+}
+static void register_omp_fork(void) { pthread_atfork(NULL, NULL, omp_after_fork); }
+static int use_omp(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_omp_fork);
+    if (atomic_load(&omp_unusable)) return 0;
+    atomic_store(&omp_ran, 1);
+    return 1;
+}
+#endif
+
 static int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *context_lens, void *out, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
@@ -306,6 +323,15 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
         work(&j);
         return 0;
     }
+#ifdef _OPENMP
+    /* On torch's own OpenMP threads, as encoder/attention/csrc/varlen_attention.c's dispatch(): a pool of our
+     * own shared the cores with the OpenMP workers torch's last op left spinning. */
+    if (use_omp()) {
+#pragma omp parallel num_threads((int)num_threads)
+        work(&j);
+        return 0;
+    }
+#endif
     pthread_mutex_lock(&pool.call);
     pool_grow(num_threads - 1);
     pthread_mutex_lock(&pool.lock);
