@@ -140,13 +140,13 @@ class HookTimer:
     """Wall time inside Linear/Conv3d modules, and inside attention modules less their own projections."""
 
     def __init__(self, model: torch.nn.Module, attention_cls: tuple[type, ...]) -> None:
-        from encoder.models.linear import PackedLinear
+        from encoder.models.linear import KernelLinear, PackedLinear
 
         self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
         self.handles = []
         inside = {id(m) for a in model.modules() if isinstance(a, attention_cls) for m in a.modules()}
         for mod in model.modules():
-            if isinstance(mod, (torch.nn.Linear, PackedLinear, torch.nn.Conv3d)):
+            if isinstance(mod, (torch.nn.Linear, PackedLinear, KernelLinear, torch.nn.Conv3d)):
                 self._time(mod, ["linear", "projections"] if id(mod) in inside else ["linear"])
             elif isinstance(mod, attention_cls):
                 self._time(mod, ["attention"])
@@ -306,7 +306,19 @@ def main() -> None:
             run_tower("hf single", lambda: _one_by_one(hf, pixels, grids, dtype), hf, hf_attn, n, repeat)
         )
     args.rows_per_pass_used = ours.rows_per_pass
+    args.linears = linear_kinds(ours)
     report(args, model_dir, dtype, grids, flops, rates, results, ours.attend.name)
+
+
+def linear_kinds(model: torch.nn.Module) -> str:
+    """Which implementation runs the tower's linear layers, e.g. ``KernelLinear × 26``."""
+    from collections import Counter
+
+    from encoder.models.linear import KernelLinear, PackedLinear
+
+    kinds = (KernelLinear, PackedLinear, torch.nn.Linear)
+    counts = Counter(type(m).__name__ for m in model.modules() if isinstance(m, kinds))
+    return ", ".join(f"{name} × {n}" for name, n in sorted(counts.items())) or "none"
 
 
 def _one_by_one(hf, pixels: torch.Tensor, grids, dtype) -> None:
@@ -321,7 +333,7 @@ def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], a
     name = str(dtype).removeprefix("torch.")
     print(f"model {model_dir}  dtype {name}  threads {torch.get_num_threads()}  CPU flags: {cpu_flags()}")
     print(f"images {len(grids)}  patches {int(flops['patches'])}  our attention: {attention}  "
-          f"rows per pass: {args.rows_per_pass_used}")  # fmt: skip
+          f"rows per pass: {args.rows_per_pass_used}  our linear layers: {args.linears}")  # fmt: skip
     peak = rates.get("peak_gflops")
     print(f"machine: matmul {mm:.0f} GFLOP/s, SDPA {rates['sdpa_gflops']:.0f} GFLOP/s ({name})"
           + (f"; arithmetic peak {peak:.0f} GFLOP/s (benchmarks/cpu_peak.py)" if peak else ""))  # fmt: skip
@@ -352,7 +364,7 @@ def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], a
     out.write_text(json.dumps({
         "dtype": name, "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "grids": grids, "flops": flops, "rates": rates,
-        "attention": attention, "rows_per_pass": args.rows_per_pass_used, "results": rows,
+        "attention": attention, "rows_per_pass": args.rows_per_pass_used, "linears": args.linears, "results": rows,
         "speedup_vs_best_hf": speedup,
     }, indent=2) + "\n")  # fmt: skip
     print(f"wrote {out}")

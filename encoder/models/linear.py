@@ -91,8 +91,8 @@ class KernelLinear(nn.Module):
 
 def kernel_linear_lib(weight: torch.Tensor):
     """The compiled library where :class:`KernelLinear` applies to this weight on this machine (CPU, float32,
-    the AVX2 build, not switched off by ``VLMSERVE_KERNEL_LINEAR=0``, and a one-time timing finding it no slower
-    than ``F.linear``), else ``None``."""
+    the AVX2 build, not switched off by ``VLMSERVE_KERNEL_LINEAR=0``, and a one-time timing finding it faster than
+    ``F.linear`` on balance), else ``None``."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or switched_off("VLMSERVE_KERNEL_LINEAR"):
         return None
     lib = cpu_kernel.load()
@@ -103,11 +103,15 @@ def kernel_linear_lib(weight: torch.Tensor):
 
 @functools.cache
 def kernel_linear_is_faster(rounds: int = 5) -> bool:
-    """:class:`KernelLinear` against ``F.linear`` (float32), 768 → 1024, at 16 and at 1,024 rows, timed once per
-    process (best of ``rounds``, alternating; a few tens of milliseconds): no slower at either (within 5 %)."""
+    """:class:`KernelLinear` against ``F.linear`` (float32), 768 → 1024, at 16 rows (a decode step) and at 1,024
+    (a prefill chunk, a tower's pass), timed once per process (best of ``rounds``, alternating; a few tens of
+    milliseconds): faster on balance, the geometric mean of the two time ratios under 1.
+
+    NOTE: "no slower at either" flipped from one process to the next on a Zen 3, where the 1,024-row ratio is
+    0.93-1.07 (this VM's noise) and the 16-row one 0.5-0.65."""
     linear = nn.Linear(768, 1024)
     ours = KernelLinear(linear, cpu_kernel.load(), "vision")
-    verdicts = []
+    ratio = 1.0
     with torch.no_grad():
         for rows in (16, 1024):
             x = torch.randn(rows, 768)
@@ -118,8 +122,8 @@ def kernel_linear_is_faster(rounds: int = 5) -> bool:
                 best["plain"] * 1e6,
                 best["kernel"] * 1e6,
             )
-            verdicts.append(best["kernel"] <= 1.05 * best["plain"])
-    return all(verdicts)
+            ratio *= best["kernel"] / best["plain"]
+    return ratio < 1.0
 
 
 def native_bf16() -> bool:
