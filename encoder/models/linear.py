@@ -61,7 +61,7 @@ class PackedLinear(nn.Module):
 class KernelLinear(nn.Module):
     """``nn.Linear``'s forward (float32, CPU) on the compiled library's own matrix kernel, the weight packed once
     into its panels (:func:`encoder.attention.cpu_kernel.linear`): on an AVX2 machine, where torch's float32
-    matmul is MKL's sgemm, measured 1.2-2.4x faster at 8-64 rows (decode steps) and 1.0-1.3x at 512-4,096 rows
+    matmul is MKL's sgemm, measured 1.2-2.4x faster at 8-64 rows (decode steps) and 0.98-1.2x at 512-4,096 rows
     (2-vCPU Zen 3, 2 threads; benchmarks/README.md). Runs on the library's ``pool`` ("vision" or "prefill")
     so that the tower and the decoder, each on its own thread, never queue behind each other."""
 
@@ -107,8 +107,8 @@ def kernel_linear_is_faster(rounds: int = 5) -> bool:
     (a prefill chunk, a tower's pass), timed once per process (best of ``rounds``, alternating; a few tens of
     milliseconds): faster on balance, the geometric mean of the two time ratios under 1.
 
-    NOTE: "no slower at either" flipped from one process to the next on a Zen 3, where the 1,024-row ratio is
-    0.93-1.07 (this VM's noise) and the 16-row one 0.5-0.65."""
+    NOTE: "no slower at either" flipped from one process to the next on a Zen 3, where the 1,024-row ratio was
+    0.94-1.08 in four processes (this VM's noise) and the 16-row one 0.47-0.64."""
     linear = nn.Linear(768, 1024)
     ours = KernelLinear(linear, cpu_kernel.load(), "vision")
     ratio = 1.0

@@ -1671,8 +1671,8 @@ int vlm_causal_attention(const void *q, const void *k, const void *v, void *out,
  * (288 KB) in L2 for all panels. The first K step starts from the bias, the later ones add to y.
  *
  * GMC and GKC measured on a 2-vCPU Zen 3 (2 threads, best of 7 alternating, the towers' and the decoder's shapes
- * at 512-4,096 rows): 144 × 512 and 96 × 384 were the best pair (1.0-1.3× torch's MKL sgemm), 96 × 256 was
- * 0.9-1.0×; at 8-64 rows (decode) 1.2-2.4× whatever the blocking. */
+ * at 512-4,096 rows): 144 × 512 and 96 × 384 were the best pair (0.98-1.2× torch's MKL sgemm), 96 × 256 was
+ * 0.74-1.12×; at 8-64 rows (decode) 1.2-2.4× (benchmarks/README.md). */
 #if ROWS_IN_LANES
 #ifndef GMC
 #define GMC 144 /* rows per unit (a multiple of 6) */
