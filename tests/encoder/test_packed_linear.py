@@ -64,20 +64,29 @@ def test_packed_tower_encodes_and_fingerprints_as_before(tiny_ckpt, always_faste
     assert vision_fingerprint(tower) == vision_fingerprint(plain)
 
 
-@needs_native
-def test_engine_generates_the_same_ids_packed(tiny_ckpt, always_faster, monkeypatch):
+def _engine_ids(ckpt, dtype: str, check) -> list[list[int]]:
+    """Greedy ids of two conversations (one with an image) through the engine; ``check(runner)`` first."""
     convs = [
         user("What is in the picture?", image_part(make_image(180, 120, 3))),
         user("Count to ten, slowly and in words."),
     ]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
+    with LLM(str(ckpt), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=64) as llm:
+        check(llm.engine.runner)
+        return [
+            o.outputs[0].token_ids for o in llm.chat(convs, SamplingParams(max_tokens=12, temperature=0.0))
+        ]
 
+
+@needs_native
+def test_engine_generates_the_same_ids_packed(tiny_ckpt, always_faster, monkeypatch):
     def ids(switch: str) -> list[list[int]]:
         monkeypatch.setenv("VLMSERVE_PACKED_LINEAR", switch)
-        with LLM(str(tiny_ckpt), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-            packed = sum(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+
+        def check(runner) -> None:
+            packed = sum(isinstance(m, PackedLinear) for m in runner.model.modules())
             assert (packed > 0) == (switch == "1")
-            return [o.outputs[0].token_ids for o in llm.chat(convs, params)]
+
+        return _engine_ids(tiny_ckpt, "bfloat16", check)
 
     assert ids("1") == ids("0")
 
@@ -187,22 +196,18 @@ def test_engine_generates_the_same_ids_on_the_float32_kernel(tiny_ckpt, monkeypa
     says): the same greedy ids as with torch's F.linear."""
     monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: True)
     monkeypatch.setattr(cpu_kernel, "load", lambda march="native": V3)
-    convs = [
-        user("What is in the picture?", image_part(make_image(180, 120, 3))),
-        user("Count to ten, slowly and in words."),
-    ]
-    params = SamplingParams(max_tokens=12, temperature=0.0)
 
     def ids(switch: str) -> list[list[int]]:
         monkeypatch.setenv("VLMSERVE_KERNEL_LINEAR", switch)
-        with LLM(str(tiny_ckpt), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-            runner = llm.engine.runner
+
+        def check(runner) -> None:
             kernels = [
                 m for m in (*runner.model.modules(), *runner.vision.modules()) if isinstance(m, KernelLinear)
             ]
             assert (len(kernels) > 0) == (switch == "1")
             assert {m.pool for m in runner.model.modules() if isinstance(m, KernelLinear)} <= {"prefill"}
-            return [o.outputs[0].token_ids for o in llm.chat(convs, params)]
+
+        return _engine_ids(tiny_ckpt, "float32", check)
 
     assert ids("1") == ids("0")
 
