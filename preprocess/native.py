@@ -97,10 +97,11 @@ def _build(cc: str, source: Path, march: str = "native", extra: tuple[str, ...] 
     return out
 
 
-def load_library(source: Path, march: str = "native", extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load_library(source: Path, march: str = "native", openmp: bool = False) -> ctypes.CDLL | None:
     """The library built from ``source``, or ``None`` (disabled, no compiler, or the build failed: logged).
     ``march``: the instruction set it is built for; tests pass an older one (``x86-64-v3``: AVX2 and FMA)
-    to run the code paths of other CPUs than this one. ``extra``: more compiler flags (``-fopenmp``).
+    to run the code paths of other CPUs than this one. ``openmp``: built with ``-fopenmp`` (the source's
+    parallel calls then run on torch's own OpenMP threads), or without where the compiler cannot.
 
     Not cached here: each caller caches its own (and sets the argtypes) behind ``functools.cache``."""
     if switched_off("VLMSERVE_CPU_KERNELS"):
@@ -110,7 +111,12 @@ def load_library(source: Path, march: str = "native", extra: tuple[str, ...] = (
         log.warning("no C compiler (%s): no %s kernel, using the slower fallback path", cc, source.stem)
         return None
     try:
-        return ctypes.CDLL(str(_build(cc, source, march, extra)))
+        if openmp:
+            try:
+                return ctypes.CDLL(str(_build(cc, source, march, ("-fopenmp",))))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                log.info("%s without OpenMP (its own thread pool): %s", source.stem, exc)
+        return ctypes.CDLL(str(_build(cc, source, march)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("%s kernel unavailable, using the slower fallback path: %s", source.stem, exc)
         return None

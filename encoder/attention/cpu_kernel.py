@@ -27,9 +27,7 @@ MAX_HEAD_DIM = 256
 @functools.cache
 def load(march: str = "native") -> ctypes.CDLL | None:
     """The compiled library, or ``None`` (see :func:`preprocess.native.load_library`)."""
-    # NOTE: with OpenMP the library's parallel calls run on torch's own OpenMP threads (see dispatch() in the
-    # source); a compiler without it builds the library's own thread pool instead.
-    lib = load_library(_SOURCE, march, ("-fopenmp",)) or load_library(_SOURCE, march)
+    lib = load_library(_SOURCE, march, openmp=True)  # torch's OpenMP threads run it (see dispatch())
     if lib is None:
         return None
     fn = lib.vlm_varlen_attention

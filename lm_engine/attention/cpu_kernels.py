@@ -24,8 +24,7 @@ _PTR = ctypes.c_void_p
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled paged decode library, or ``None`` (see :func:`load_library`)."""
-    # with OpenMP: torch's own threads run the units (see the source); else the library's own pool
-    lib = load_library(_SOURCE, extra=("-fopenmp",)) or load_library(_SOURCE)
+    lib = load_library(_SOURCE, openmp=True)  # torch's OpenMP threads run the units (see the source)
     if lib is None:
         return None
     for fn in (lib.vlm_paged_decode_f32, lib.vlm_paged_decode_bf16):

@@ -263,12 +263,12 @@ static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q
     for (int64_t e = 0; e < d; e++) qp[(base + group * RG) * d + e * RG + slot] = q[e];
     memcpy(kp + (base + prow) * d, k, (size_t)d * sizeof(float));
     memcpy(vp + (base + prow) * d, v, (size_t)d * sizeof(float));
-    return;
-#endif
+#else
     const int64_t tile = prow / VW, lane = prow % VW;
     memcpy(qp + (base + prow) * d, q, (size_t)d * sizeof(float));
     for (int64_t e = 0; e < d; e++) kp[(base + tile * VW) * d + e * VW + lane] = k[e];
     memcpy(vp + (base + prow) * d, v, (size_t)d * sizeof(float));
+#endif
 }
 
 /* Unit u: the 64-row chunk u (of all segments, in order), every head. NOTE: a unit reads whole rows of qkv in
@@ -767,6 +767,7 @@ int vlm_amx_ready(void) {
 #endif
 }
 
+#if !ROWS_IN_LANES /* the float32 path of AVX-512 builds and builds without AVX2 */
 /* Rows per register pass of the float32 products: the accumulators (RP rows × 4 vectors), four vectors of k or
  * v and a broadcast must fit the register file (32 vectors with AVX-512, 16 with AVX2). */
 #if VW == 16
@@ -774,8 +775,9 @@ int vlm_amx_ready(void) {
 #else
 #define RP 2
 #endif
-/* Keys per block of the float32 flash loop: one register tile's width (4 vectors). With AVX2 that is 32, not
- * KB: on a 2-vCPU Zen 3, 2 threads, 8-30 % faster (benchmarks/README.md), equal on one thread. The reason is
+/* Keys per block of the float32 flash loop: one register tile's width (4 vectors). (AVX2 builds now take
+ * attend_unit_t; 8 lanes here means a build without AVX2.) With 8 lanes that is 32, not KB: when AVX2 ran this
+ * path, on a 2-vCPU Zen 3, 2 threads, 8-30 % faster (benchmarks/README.md), equal on one thread. The reason is
  * not settled: a block's k and v tiles are 16 KB at D 64 instead of 32 KB, the whole of that CPU's L1, which
  * the unit's 16 row groups reread them from. */
 #define KS (4 * VW)
@@ -869,6 +871,7 @@ static inline float softmax_row(const job_t *j, const float *S, int64_t kv, floa
     *m = mnew;
     return corr;
 }
+#endif
 
 #if ROWS_IN_LANES
 /* ---------------------------------------------------------------- float32 with query rows in the lanes (AVX2)
@@ -1026,6 +1029,7 @@ static void attend_unit_t(const job_t *j, int64_t s, int64_t h, int64_t r0, int6
 
 /* ---------------------------------------------------------------- one unit: 64 query rows of a head */
 
+#if !ROWS_IN_LANES
 static void write_rows(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, const float *O, const float *l) {
     const int64_t d = j->d, stride = j->heads * d;
     for (int64_t i = 0; i < rows; i++) {
@@ -1040,12 +1044,13 @@ static void write_rows(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t
         }
     }
 }
+#endif
 
 static void attend_unit(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate_attend(j, u, &s, &h, &c);
-    const int64_t d = j->d, len = j->cu[s + 1] - j->cu[s], r0 = c * QB;
-    const int64_t rows = len - r0 < QB ? len - r0 : QB, groups = (rows + RT - 1) / RT;
+    const int64_t len = j->cu[s + 1] - j->cu[s], r0 = c * QB;
+    const int64_t rows = len - r0 < QB ? len - r0 : QB;
     const int64_t base = h * j->padded + j->pad[s]; /* padded row of the segment's first row */
 #if HAVE_BF16DOT
     if (j->dot) {
@@ -1061,8 +1066,8 @@ static void attend_unit(job_t *j, int64_t u) {
 #endif
 #if ROWS_IN_LANES
     attend_unit_t(j, s, h, r0, rows, len, base);
-    return;
-#endif
+#else
+    const int64_t d = j->d, groups = (rows + RT - 1) / RT;
     float O[QB * MAX_D] __attribute__((aligned(64)));
     float S[RT * KB] __attribute__((aligned(64))), P[RT * KB] __attribute__((aligned(64)));
     float m[QB], l[QB], corr[RT];
@@ -1079,6 +1084,7 @@ static void attend_unit(job_t *j, int64_t u) {
         }
     }
     write_rows(j, s, h, r0, rows, O, l);
+#endif
 }
 
 /* ---------------------------------------------------------------- the pool */
@@ -1195,8 +1201,6 @@ static void pool_grow(pool_t *pool, int64_t want) {
     }
 }
 
-/* Runs every unit of j on the caller and up to threads - 1 of the pool's threads; the caller holds
- * pool->call. */
 #ifdef _OPENMP
 /* libgomp's team does not survive fork (a child waits on threads it does not have): in a child of a process
  * that ran this library's OpenMP regions, the calls go to the library's own pool instead. */
@@ -1214,6 +1218,8 @@ static int use_omp(void) {
 }
 #endif
 
+/* Runs every unit of j on the caller and up to threads - 1 others: torch's OpenMP threads, or the pool's where
+ * the library is built without OpenMP or runs in a forked child; the caller holds pool->call. */
 static void dispatch(pool_t *pool, job_t *j, int64_t threads) {
     atomic_store(&j->next, 0);
     if (threads > j->units) threads = j->units;
