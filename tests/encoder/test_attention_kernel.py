@@ -150,18 +150,18 @@ def test_refuses_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bias_quick_gelu_matches_torch(dtype):
+def test_bias_quick_gelu_matches_torch(build, dtype):
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 200, generator=gen) * 6).to(dtype)  # 200: not a multiple of the vector width
     bias = torch.randn(200, generator=gen).to(dtype)
     y = (x + bias).float()
     want = (y * torch.sigmoid(1.702 * y)).to(dtype)
-    got = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), bias)
+    got = cpu_kernel.bias_quick_gelu_(build, x.clone(), bias)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     else:  # rounded once from float32: at most one bf16 step from the float32 value rounded
         torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
-    same = cpu_kernel.bias_quick_gelu_(LIB, x.clone(), None)
+    same = cpu_kernel.bias_quick_gelu_(build, x.clone(), None)
     torch.testing.assert_close(
         same.float(), (x.float() * torch.sigmoid(1.702 * x.float())), atol=1e-2, rtol=8e-3
     )
@@ -169,7 +169,7 @@ def test_bias_quick_gelu_matches_torch(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cols", [384, 1280, 100])  # 100: a tail past the vectors
-def test_rms_norm_matches_the_towers_torch_norm(dtype, cols):
+def test_rms_norm_matches_the_towers_torch_norm(build, dtype, cols):
     """Against the tower's own torch RMSNorm (transformers' formula): float32 to its rounding, bf16 equal but for
     rare one-step differences (the sum of squares is added in another order)."""
     from encoder.models.qwen2_5_vl import RMSNorm
@@ -180,7 +180,7 @@ def test_rms_norm_matches_the_towers_torch_norm(dtype, cols):
         norm.weight.copy_(torch.randn(cols, generator=gen) * 2)
     x = (torch.randn(300, cols, generator=gen) * 5).to(dtype)
     want = norm(x)
-    got = cpu_kernel.rms_norm(LIB, x, norm.weight.detach(), norm.eps)
+    got = cpu_kernel.rms_norm(build, x, norm.weight.detach(), norm.eps)
     assert got.dtype == dtype and got.shape == x.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
@@ -190,12 +190,12 @@ def test_rms_norm_matches_the_towers_torch_norm(dtype, cols):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch(dtype):
+def test_silu_mul_matches_torch(build, dtype):
     gen = torch.Generator().manual_seed(5)
     gate = (torch.randn(70, 1000, generator=gen) * 4).to(dtype)  # 70 000: a tail past the 4096-element units
     up = torch.randn(70, 1000, generator=gen).to(dtype)
     want = F.silu(gate) * up
-    got = cpu_kernel.silu_mul(LIB, gate, up)
+    got = cpu_kernel.silu_mul(build, gate, up)
     assert got.dtype == dtype and got.shape == gate.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=2e-6)
@@ -203,7 +203,7 @@ def test_silu_mul_matches_torch(dtype):
         assert (got != want).float().mean() < 3e-3
         torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1.6e-2)
     with pytest.raises(ValueError, match="differ"):
-        cpu_kernel.silu_mul(LIB, gate, up[:, :10])
+        cpu_kernel.silu_mul(build, gate, up[:, :10])
 
 
 # --------------------------------------------------------------- the decoder's causal prefill (bf16 only)
