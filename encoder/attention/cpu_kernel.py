@@ -60,6 +60,23 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     lib.vlm_linear.restype = ctypes.c_int
     # x, m, k, ldx, wp, n, bias, y, ldy, threads, pool
     lib.vlm_linear.argtypes = [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
+    lib.vlm_linear_glu.restype = ctypes.c_int
+    # x, m, k, ldx, gate wp, up wp, n, gate bias, up bias, y, ldy, threads, pool
+    lib.vlm_linear_glu.argtypes = [
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+        _PTR,
+        _I64,
+        _PTR,
+        _PTR,
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+    ]
     return lib
 
 
@@ -292,6 +309,26 @@ def unpack_linear(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.view(panels, k, 16).permute(0, 2, 1).reshape(panels * 16, k)[:n].contiguous()
 
 
+def _linear_rows(name: str, x: torch.Tensor, n: int, k: int, packed, biases) -> tuple[torch.Tensor, int]:
+    """x as [rows, k] rows the kernel reads in place (copied only where its last dimension is strided) and their
+    stride; refuses what the kernel cannot take."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(
+            f"{name}: unsupported input {tuple(x.shape)} {x.dtype} {x.device} for [{n}, {k}] weight"
+        )
+    if any(w.numel() != (n + 15) // 16 * 16 * k for w in packed):
+        raise ValueError(f"{name}: a packed weight is not [{n}, {k}]")
+    for bias in biases:
+        if bias is not None and (
+            bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
+        ):
+            raise ValueError(f"{name}: bias must be a contiguous float32 [{n}]")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
+        rows = rows.contiguous()
+    return rows, rows.stride(0) if rows.shape[0] > 1 else k  # a single row's stride can be anything
+
+
 def linear(
     lib: ctypes.CDLL,
     x: torch.Tensor,
@@ -302,16 +339,7 @@ def linear(
 ) -> torch.Tensor:
     """``x · wᵀ + bias`` over x's last dimension (float32, CPU), w packed by :func:`pack_linear`."""
     k = x.shape[-1]
-    if x.dtype != torch.float32 or x.device.type != "cpu" or packed.numel() != (n + 15) // 16 * 16 * k:
-        raise ValueError(
-            f"linear: unsupported input {tuple(x.shape)} {x.dtype} {x.device} for [{n}, ?] weight"
-        )
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"linear: bias must be a contiguous float32 [{n}]")
-    rows = x.reshape(-1, k)
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < k):
-        rows = rows.contiguous()
-    ldx = rows.stride(0) if rows.shape[0] > 1 else k  # a single row's stride can be anything
+    rows, ldx = _linear_rows("linear", x, n, k, (packed,), (bias,))
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     _run(
         lib.vlm_linear,
@@ -323,6 +351,43 @@ def linear(
         packed.data_ptr(),
         n,
         bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+        POOLS[pool],
+    )
+    return out.view(*x.shape[:-1], n)
+
+
+def linear_glu(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    n: int,
+    gate_bias: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    pool: str = "vision",
+) -> torch.Tensor:
+    """``silu(x · gateᵀ + gate_bias) · (x · upᵀ + up_bias)`` (float32, CPU), both weights packed by
+    :func:`pack_linear`: a gated MLP's two projections and its activation in one pass, the two ``[rows, n]``
+    projections never written out. Each projection is :func:`linear`'s to the bit; the product is
+    :func:`silu_mul`'s vectors'."""
+    k = x.shape[-1]
+    rows, ldx = _linear_rows("linear_glu", x, n, k, (gate, up), (gate_bias, up_bias))
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    _run(
+        lib.vlm_linear_glu,
+        "linear_glu",
+        rows.data_ptr(),
+        rows.shape[0],
+        k,
+        ldx,
+        gate.data_ptr(),
+        up.data_ptr(),
+        n,
+        gate_bias.data_ptr() if gate_bias is not None else None,
+        up_bias.data_ptr() if up_bias is not None else None,
         out.data_ptr(),
         n,
         torch.get_num_threads(),

@@ -89,6 +89,21 @@ class KernelLinear(nn.Module):
         )
 
 
+def silu_gated(gate: KernelLinear, up: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate(x)) · up(x)`` in one pass of the library (:func:`encoder.attention.cpu_kernel.linear_glu`):
+    the two projections are never written out, and the product needs no pass of its own."""
+    if (gate.lib, gate.pool, gate.out_features, gate.in_features) != (
+        up.lib,
+        up.pool,
+        up.out_features,
+        up.in_features,
+    ):
+        raise ValueError("silu_gated: the gate and up projections differ in library, pool or shape")
+    return cpu_kernel.linear_glu(
+        gate.lib, x, gate.packed, up.packed, gate.out_features, gate.bias, up.bias, gate.pool
+    )
+
+
 def kernel_linear_lib(weight: torch.Tensor):
     """The compiled library where :class:`KernelLinear` applies to this weight on this machine (CPU, float32,
     the AVX2 build, not switched off by ``VLMSERVE_KERNEL_LINEAR=0``, and a one-time timing finding it faster than

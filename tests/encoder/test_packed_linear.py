@@ -178,6 +178,55 @@ def test_kernel_linear_is_the_same_on_every_pool_and_thread_count():
             torch.set_num_threads(threads)
 
 
+@needs_v3
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("n,k", [(776, 384), (50, 600), (16, 1)], ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_silu_gated_matches_float64_and_the_unfused_kernels(rows, n, k, bias):
+    """The gated MLP's gate, up and silu · up in one pass: against float64 as close as torch's own float32, and equal
+    to the two projections and silu_mul run apart (a column tail past a panel of 16, K over two of the kernel's
+    K steps, strided and batched inputs)."""
+    torch.manual_seed(rows + n + k + 1)
+    gate, up = nn.Linear(k, n, bias=bias), nn.Linear(k, n, bias=bias)
+    g, u = KernelLinear(gate, V3, "vision"), KernelLinear(up, V3, "vision")
+    x = torch.randn(rows, k) * 2
+    strided = torch.randn(k, rows).t()
+    batched = torch.randn(2, rows, k)
+    with torch.no_grad():
+        for inp in (x, strided, batched):
+            exact = F.silu(F.linear(inp.double(), gate.weight.double(), _double(gate.bias))) * F.linear(
+                inp.double(), up.weight.double(), _double(up.bias)
+            )
+            theirs = ((F.silu(gate(inp)) * up(inp)).double() - exact).abs().max().item() if rows else 0.0
+            got = packing.silu_gated(g, u, inp)
+            assert got.shape == exact.shape and got.dtype == torch.float32
+            err = (got.double() - exact).abs().max().item() if rows else 0.0
+            # the projections as close as torch's (test_kernel_linear_matches_float64), silu from a degree-6 exp2
+            # and a division: within a few float32 steps of the largest output
+            scale = exact.abs().max().item() if rows else 0.0
+            assert err <= 2 * theirs + 4 * 2.0**-23 * scale + 1e-6, (err, theirs, scale)
+            apart = cpu_kernel.silu_mul(V3, g(inp).contiguous(), u(inp).contiguous())
+            torch.testing.assert_close(got, apart, atol=1e-6, rtol=1e-6)
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
+
+
+def test_silu_gated_refuses_mismatched_projections():
+    if not cpu_kernel.has_linear(V3):
+        pytest.skip("no float32 linear build here")
+    g = KernelLinear(nn.Linear(8, 16), V3, "vision")
+    with pytest.raises(ValueError, match="differ"):
+        packing.silu_gated(g, KernelLinear(nn.Linear(8, 32), V3, "vision"), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="differ"):
+        packing.silu_gated(g, KernelLinear(nn.Linear(8, 16), V3, "prefill"), torch.randn(3, 8))
+    with pytest.raises(ValueError):
+        packing.silu_gated(
+            g, KernelLinear(nn.Linear(8, 16), V3, "vision"), torch.randn(3, 8, dtype=torch.float64)
+        )
+
+
 def test_kernel_linear_refuses_what_it_cannot_do():
     if not cpu_kernel.has_linear(V3):
         pytest.skip("no float32 linear build here")

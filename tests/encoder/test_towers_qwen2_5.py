@@ -109,3 +109,27 @@ def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
         # packed as alone (an AMX Xeon differs by 1.2e-5): the tolerance against transformers' tower.
         torch.testing.assert_close(packed[rows : rows + alone.shape[0]], alone, atol=3e-5, rtol=3e-5)
         start, rows = start + t * h * w, rows + alone.shape[0]
+
+
+def test_tower_on_the_float32_kernel_equals_transformers(hf_and_ckpt, monkeypatch):
+    """The AVX2 build's float32 linear layers, forced (whatever this CPU's timing says), with the gated MLP's gate,
+    up and silu · up in one pass of the kernel: still transformers' tower within float32 tolerance."""
+    from encoder.models import linear as packing
+    from tests.encoder.test_packed_linear import V3
+
+    if not cpu_kernel.has_linear(V3):
+        pytest.skip("not an x86-64 CPU with AVX2 and FMA (the float32 linear's build)")
+    monkeypatch.setattr(packing, "kernel_linear_is_faster", lambda: True)
+    monkeypatch.setattr(cpu_kernel, "load", lambda march="native": V3)
+    fused = []
+    glu = cpu_kernel.linear_glu
+    monkeypatch.setattr(cpu_kernel, "linear_glu", lambda *a, **kw: fused.append(1) or glu(*a, **kw))
+    hf, ckpt = hf_and_ckpt
+    ours = build_vision_tower(json.loads((ckpt / "config.json").read_text()), ckpt, attention="cpu-kernel")
+    assert packing.pack_linears(ours) > 0
+    pixels, grid = pixels_for(GRIDS, seed=13)
+    with torch.no_grad():
+        want = hf(pixels, grid_thw=grid).pooler_output
+    got = ours(pixels, grid)
+    assert len(fused) == hf.config.depth  # every block's MLP took the one-pass path
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)

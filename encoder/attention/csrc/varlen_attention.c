@@ -1762,6 +1762,67 @@ static void gemm_unit(job_t *jb, int64_t u) {
         }
     }
 }
+
+/* The gated MLP's two projections and its silu(gate) · up in one pass: the gate's job (wp, bias) and the up
+ * projection's weight and bias; the output holds only the product, never the two [m, n] projections. */
+typedef struct {
+    gemm_job_t g;
+    const float *wu, *bu;
+} glu_job_t;
+
+/* Per row tile and panel, the gate's and the up projection's 6 × 16 tiles over every K step in stack scratch
+ * (the same tiles and order as gemm_unit's, so each projection equals vlm_linear's to the bit), then
+ * silu(gate) · up on 8 lanes (y_sigmoid_v, as vlm_silu_mul's vectors) into y. */
+static void glu_unit(job_t *jb, int64_t u) {
+    const glu_job_t *q = (const glu_job_t *)jb;
+    const gemm_job_t *g = &q->g;
+    const int64_t m0 = (u / g->n_units) * g->mc, m1 = m0 + g->mc < g->m ? m0 + g->mc : g->m;
+    const int64_t p0 = (u % g->n_units) * g->per_unit;
+    const int64_t p1 = p0 + g->per_unit < g->panels ? p0 + g->per_unit : g->panels;
+    for (int64_t p = p0; p < p1; p++) {
+        const int64_t c0 = p * 16, cols = g->n - c0 < 16 ? g->n - c0 : 16;
+        float ig[16] __attribute__((aligned(32))) = {0}, iu[16] __attribute__((aligned(32))) = {0};
+        for (int64_t c = 0; c < cols; c++) {
+            if (g->bias) ig[c] = g->bias[c0 + c];
+            if (q->bu) iu[c] = q->bu[c0 + c];
+        }
+        for (int64_t i = m0; i < m1; i += 6) {
+            const int64_t rows = m1 - i < 6 ? m1 - i : 6;
+            float tg[6 * 16] __attribute__((aligned(32))), tu[6 * 16] __attribute__((aligned(32)));
+            for (int64_t k0 = 0; k0 < g->k; k0 += GKC) {
+                const int64_t kc = g->k - k0 < GKC ? g->k - k0 : GKC;
+                const float *x = g->x + i * g->ldx + k0;
+                gemm_rows(x, g->ldx, g->wp + (p * g->k + k0) * 16, kc, tg, 16, ig, k0 > 0, rows);
+                gemm_rows(x, g->ldx, q->wu + (p * g->k + k0) * 16, kc, tu, 16, iu, k0 > 0, rows);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *y = g->y + (i + r) * g->ldy + c0;
+                for (int64_t h = 0; h < 16; h += 8) {
+                    const vf out = y_sigmoid_v(*(const vf *)(tg + r * 16 + h), 1.0f) * *(const vf *)(tu + r * 16 + h);
+                    if (h + 8 <= cols) *(vf_at *)(y + h) = out;
+                    else
+                        for (int64_t c = h; c < cols; c++) y[c] = out[c - h];
+                }
+            }
+        }
+    }
+}
+
+/* Units for an [m, n] product on `threads`: row blocks of at most GMC rows, as many as a multiple of the threads
+ * and of equal size (a multiple of 6). NOTE: 1,024 rows in blocks of 144 left one thread 576 rows and the other
+ * 448. A matrix of one block (decode) is split by panels alone: each row block reads every panel of the weight. */
+static void plan_gemm(gemm_job_t *g, int64_t threads) {
+    g->panels = (g->n + 15) / 16;
+    int64_t row_units = (g->m + GMC - 1) / GMC;
+    if (row_units > 1) row_units = (row_units + threads - 1) / threads * threads;
+    g->mc = ((g->m + row_units - 1) / row_units + 5) / 6 * 6;
+    row_units = (g->m + g->mc - 1) / g->mc;
+    int64_t split = (4 * threads + row_units - 1) / row_units; /* panel runs per row block: >= 4 units a thread */
+    if (split > g->panels) split = g->panels;
+    g->per_unit = (g->panels + split - 1) / split;
+    g->n_units = (g->panels + g->per_unit - 1) / g->per_unit;
+    g->base.units = row_units * g->n_units;
+}
 #endif
 
 /* Floats the packed weight of an [n, k] linear layer takes (0 where this build has no float32 linear). */
@@ -1799,19 +1860,7 @@ int vlm_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *w
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
     gemm_job_t g = {.x = x, .wp = wp, .bias = bias, .y = y, .m = m, .n = n, .k = k, .ldx = ldx, .ldy = ldy};
-    g.panels = (n + 15) / 16;
-    /* Row blocks of at most GMC rows, as many as a multiple of the threads and of equal size (a multiple of 6):
-     * NOTE: 1,024 rows in blocks of 144 left one thread 576 rows and the other 448. A matrix of one block
-     * (decode) is split by panels alone: each row block reads every panel of the weight. */
-    int64_t row_units = (m + GMC - 1) / GMC;
-    if (row_units > 1) row_units = (row_units + threads - 1) / threads * threads;
-    g.mc = ((m + row_units - 1) / row_units + 5) / 6 * 6;
-    row_units = (m + g.mc - 1) / g.mc;
-    int64_t split = (4 * threads + row_units - 1) / row_units; /* panel runs per row block: >= 4 units a thread */
-    if (split > g.panels) split = g.panels;
-    g.per_unit = (g.panels + split - 1) / split;
-    g.n_units = (g.panels + g.per_unit - 1) / g.per_unit;
-    g.base.units = row_units * g.n_units;
+    plan_gemm(&g, threads);
     g.base.unit = gemm_unit;
     pool_t *pool = &pools[pool_id];
     pthread_mutex_lock(&pool->call);
@@ -1821,6 +1870,32 @@ int vlm_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *w
 #else
     (void)x, (void)m, (void)k, (void)ldx, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads,
         (void)pool_id;
+    return -2;
+#endif
+}
+
+/* y [m, n] = silu(x · wgᵀ + bg) · (x · wuᵀ + bu), both weights packed by vlm_linear_pack, biases may be NULL: the
+ * gated MLP's gate and up projections and its activation in one pass (see glu_unit); pools as vlm_linear. */
+int vlm_linear_glu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wg, const float *wu, int64_t n,
+                   const float *bg, const float *bu, float *y, int64_t ldy, int64_t threads, int64_t pool_id) {
+#if ROWS_IN_LANES
+    if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || pool_id < 0 || pool_id >= POOLS) return -1;
+    if (m == 0) return 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    glu_job_t q = {.g = {.x = x, .wp = wg, .bias = bg, .y = y, .m = m, .n = n, .k = k, .ldx = ldx, .ldy = ldy},
+                   .wu = wu,
+                   .bu = bu};
+    plan_gemm(&q.g, threads);
+    q.g.base.unit = glu_unit;
+    pool_t *pool = &pools[pool_id];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &q.g.base, threads);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+#else
+    (void)x, (void)m, (void)k, (void)ldx, (void)wg, (void)wu, (void)n, (void)bg, (void)bu, (void)y, (void)ldy,
+        (void)threads, (void)pool_id;
     return -2;
 #endif
 }
