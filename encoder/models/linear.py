@@ -104,6 +104,33 @@ def silu_gated(gate: KernelLinear, up: KernelLinear, x: torch.Tensor) -> torch.T
     )
 
 
+def silu_gated_halves(gate_up: KernelLinear, x: torch.Tensor) -> torch.Tensor:
+    """``silu(g) · u`` where ``g, u = gate_up(x).chunk(2, -1)``, in one pass of the library: a decoder's merged
+    ``[2I, K]`` gate and up projection, whose packed panels split at I when I is a multiple of 16
+    (:func:`halves_split`)."""
+    n, k = gate_up.out_features // 2, gate_up.in_features
+    if not halves_split(gate_up):
+        raise ValueError(f"silu_gated_halves: {gate_up.out_features} outputs do not split into panels of 16")
+    at = n * k  # n // 16 panels of [k][16]
+    bias = gate_up.bias
+    return cpu_kernel.linear_glu(
+        gate_up.lib,
+        x,
+        gate_up.packed[:at],
+        gate_up.packed[at:],
+        n,
+        None if bias is None else bias[:n],
+        None if bias is None else bias[n:],
+        gate_up.pool,
+    )
+
+
+def halves_split(linear: nn.Module) -> bool:
+    """Whether ``linear`` is a :class:`KernelLinear` whose two output halves are whole panels of 16 (the gate's
+    and the up projection's, for :func:`silu_gated_halves`)."""
+    return type(linear) is KernelLinear and linear.out_features % 32 == 0
+
+
 def kernel_linear_lib(weight: torch.Tensor):
     """The compiled library where :class:`KernelLinear` applies to this weight on this machine (CPU, float32,
     the AVX2 build, not switched off by ``VLMSERVE_KERNEL_LINEAR=0``, and a one-time timing finding it faster than

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encoder.models.linear import halves_split, silu_gated_halves
 from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 
@@ -213,6 +214,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if halves_split(self.gate_up_proj):  # the float32 kernel: gate, up and silu · up in one pass
+            return self.down_proj(silu_gated_halves(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 

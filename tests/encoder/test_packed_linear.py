@@ -183,9 +183,10 @@ def test_kernel_linear_is_the_same_on_every_pool_and_thread_count():
 @pytest.mark.parametrize("n,k", [(776, 384), (50, 600), (16, 1)], ids=str)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 def test_silu_gated_matches_float64_and_the_unfused_kernels(rows, n, k, bias):
-    """The gated MLP's gate, up and silu · up in one pass: against float64 as close as torch's own float32, and equal
-    to the two projections and silu_mul run apart (a column tail past a panel of 16, K over two of the kernel's
-    K steps, strided and batched inputs)."""
+    """The gated MLP's gate, up and silu · up in one pass (a column tail past a panel of 16, K over two of the
+    kernel's K steps, strided and batched inputs): equal to the two projections and silu_mul run apart, and on
+    those projections within a few float32 steps of silu(g) · u in float64 (the projections' own accuracy is
+    test_kernel_linear_matches_float64's)."""
     torch.manual_seed(rows + n + k + 1)
     gate, up = nn.Linear(k, n, bias=bias), nn.Linear(k, n, bias=bias)
     g, u = KernelLinear(gate, V3, "vision"), KernelLinear(up, V3, "vision")
@@ -194,23 +195,47 @@ def test_silu_gated_matches_float64_and_the_unfused_kernels(rows, n, k, bias):
     batched = torch.randn(2, rows, k)
     with torch.no_grad():
         for inp in (x, strided, batched):
-            exact = F.silu(F.linear(inp.double(), gate.weight.double(), _double(gate.bias))) * F.linear(
-                inp.double(), up.weight.double(), _double(up.bias)
-            )
-            theirs = ((F.silu(gate(inp)) * up(inp)).double() - exact).abs().max().item() if rows else 0.0
             got = packing.silu_gated(g, u, inp)
-            assert got.shape == exact.shape and got.dtype == torch.float32
-            err = (got.double() - exact).abs().max().item() if rows else 0.0
-            # the projections as close as torch's (test_kernel_linear_matches_float64), silu from a degree-6 exp2
-            # and a division: within a few float32 steps of the largest output
-            scale = exact.abs().max().item() if rows else 0.0
-            assert err <= 2 * theirs + 4 * 2.0**-23 * scale + 1e-6, (err, theirs, scale)
-            apart = cpu_kernel.silu_mul(V3, g(inp).contiguous(), u(inp).contiguous())
-            torch.testing.assert_close(got, apart, atol=1e-6, rtol=1e-6)
+            gk, uk = g(inp), u(inp)
+            assert got.shape == gk.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, cpu_kernel.silu_mul(V3, gk, uk), atol=1e-6, rtol=1e-6)
+            _assert_silu_product(got, gk, uk)
 
 
-def _double(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.double()
+def _assert_silu_product(got: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """``got`` within four float32 steps of the largest |silu(gate) · up|, that product taken in float64."""
+    if not got.numel():
+        return
+    exact = F.silu(gate.double()) * up.double()
+    err = (got.double() - exact).abs().max().item()
+    assert err <= 4 * 2.0**-23 * exact.abs().max().item(), err
+
+
+@needs_v3
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("n,k", [(176, 64), (2048, 768)], ids=str)
+def test_silu_gated_halves_matches_the_decoders_torch_mlp(rows, n, k):
+    """A decoder's merged gate_up projection: silu of the first half times the second, in one pass, as torch's
+    chunk / silu / product computes it from the same projection (to float32's rounding)."""
+    torch.manual_seed(rows + n)
+    lin = nn.Linear(k, 2 * n, bias=False)
+    ours = KernelLinear(lin, V3, "prefill")
+    assert packing.halves_split(ours)
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        got = packing.silu_gated_halves(ours, x)
+        gate, up = ours(x).chunk(2, dim=-1)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    _assert_silu_product(got, gate, up)
+
+
+def test_silu_gated_halves_needs_whole_panels():
+    if not cpu_kernel.has_linear(V3):
+        pytest.skip("no float32 linear build here")
+    odd = KernelLinear(nn.Linear(8, 2 * 24, bias=False), V3, "prefill")  # halves of 24: a panel and a half
+    assert not packing.halves_split(odd) and not packing.halves_split(nn.Linear(8, 64))
+    with pytest.raises(ValueError, match="panels of 16"):
+        packing.silu_gated_halves(odd, torch.randn(2, 8))
 
 
 def test_silu_gated_refuses_mismatched_projections():
@@ -255,6 +280,9 @@ def test_engine_generates_the_same_ids_on_the_float32_kernel(tiny_ckpt, monkeypa
             ]
             assert (len(kernels) > 0) == (switch == "1")
             assert {m.pool for m in runner.model.modules() if isinstance(m, KernelLinear)} <= {"prefill"}
+            # the decoder's gated MLPs take the one-pass gate, up and silu · up (176 = 11 panels a half)
+            mlps = [m for name, m in runner.model.named_modules() if name.endswith(".mlp")]
+            assert mlps and all(packing.halves_split(m.gate_up_proj) == (switch == "1") for m in mlps)
 
         return _engine_ids(tiny_ckpt, "float32", check)
 
