@@ -137,15 +137,24 @@ def work(cfg, grids: list[tuple[int, int, int]]) -> dict[str, float]:
 
 
 class HookTimer:
-    """Wall time inside Linear/Conv3d modules, and inside attention modules less their own projections."""
+    """Wall time inside Linear/Conv3d modules, and inside attention modules less their own projections. A gated
+    MLP whose gate, up and silu · up run as one call of the float32 kernel (the gate and up modules are then never
+    called) counts whole as linear time."""
 
     def __init__(self, model: torch.nn.Module, attention_cls: tuple[type, ...]) -> None:
         from encoder.models.linear import KernelLinear, PackedLinear
+        from encoder.models.qwen2_5_vl import GatedMlp
 
         self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
         self.handles = []
         inside = {id(m) for a in model.modules() if isinstance(a, attention_cls) for m in a.modules()}
+        one_pass = [m for m in model.modules() if isinstance(m, GatedMlp) and m.one_pass()]
+        skip = {id(sub) for m in one_pass for sub in m.modules()}
+        for mod in one_pass:
+            self._time(mod, ["linear"])
         for mod in model.modules():
+            if id(mod) in skip:
+                continue
             if isinstance(mod, (torch.nn.Linear, PackedLinear, KernelLinear, torch.nn.Conv3d)):
                 self._time(mod, ["linear", "projections"] if id(mod) in inside else ["linear"])
             elif isinstance(mod, attention_cls):

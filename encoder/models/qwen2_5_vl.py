@@ -99,8 +99,13 @@ class GatedMlp(nn.Module):
         if self.act_name == "silu":
             self.lib = lib
 
+    def one_pass(self) -> bool:
+        """Whether gate, up and silu · up run as one call of the float32 kernel (gate_proj and up_proj are then
+        never called): both projections on :class:`KernelLinear`."""
+        return self.act_name == "silu" and type(self.gate_proj) is type(self.up_proj) is KernelLinear
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_name == "silu" and type(self.gate_proj) is type(self.up_proj) is KernelLinear:
+        if self.one_pass():
             # NOTE: the float32 kernel's gate, up and silu · up in one pass (the two [rows, 776] projections never
             # written): the small preset's MLP on 30,100 rows took 0.84-0.85x the time of the three calls, the
             # tower 6.34 against 6.70 s, same output to the bit (-march=znver3 build, 2026-12-04, benchmarks/README).
