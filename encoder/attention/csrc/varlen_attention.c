@@ -1732,11 +1732,18 @@ static void gemm_rows(const float *x, int64_t ldx, const float *wp, int64_t kc, 
     }
 }
 
+/* Unit u's rows [m0, m1) and panels [p0, p1) (see plan_gemm). */
+static inline void gemm_range(const gemm_job_t *g, int64_t u, int64_t *m0, int64_t *m1, int64_t *p0, int64_t *p1) {
+    *m0 = (u / g->n_units) * g->mc;
+    *m1 = *m0 + g->mc < g->m ? *m0 + g->mc : g->m;
+    *p0 = (u % g->n_units) * g->per_unit;
+    *p1 = *p0 + g->per_unit < g->panels ? *p0 + g->per_unit : g->panels;
+}
+
 static void gemm_unit(job_t *jb, int64_t u) {
     const gemm_job_t *g = (const gemm_job_t *)jb;
-    const int64_t m0 = (u / g->n_units) * g->mc, m1 = m0 + g->mc < g->m ? m0 + g->mc : g->m;
-    const int64_t p0 = (u % g->n_units) * g->per_unit;
-    const int64_t p1 = p0 + g->per_unit < g->panels ? p0 + g->per_unit : g->panels;
+    int64_t m0, m1, p0, p1;
+    gemm_range(g, u, &m0, &m1, &p0, &p1);
     for (int64_t k0 = 0; k0 < g->k; k0 += GKC) {
         const int64_t kc = g->k - k0 < GKC ? g->k - k0 : GKC;
         for (int64_t p = p0; p < p1; p++) {
@@ -1776,9 +1783,8 @@ typedef struct {
 static void glu_unit(job_t *jb, int64_t u) {
     const glu_job_t *q = (const glu_job_t *)jb;
     const gemm_job_t *g = &q->g;
-    const int64_t m0 = (u / g->n_units) * g->mc, m1 = m0 + g->mc < g->m ? m0 + g->mc : g->m;
-    const int64_t p0 = (u % g->n_units) * g->per_unit;
-    const int64_t p1 = p0 + g->per_unit < g->panels ? p0 + g->per_unit : g->panels;
+    int64_t m0, m1, p0, p1;
+    gemm_range(g, u, &m0, &m1, &p0, &p1);
     for (int64_t p = p0; p < p1; p++) {
         const int64_t c0 = p * 16, cols = g->n - c0 < 16 ? g->n - c0 : 16;
         float ig[16] __attribute__((aligned(32))) = {0}, iu[16] __attribute__((aligned(32))) = {0};
@@ -1823,6 +1829,23 @@ static void plan_gemm(gemm_job_t *g, int64_t threads) {
     g->n_units = (g->panels + g->per_unit - 1) / g->per_unit;
     g->base.units = row_units * g->n_units;
 }
+
+/* A product's job (its shape set, `unit` its kind) checked, planned and run on pool `pool_id`; -1 for a shape or
+ * pool the entry points refuse. */
+static int run_gemm(gemm_job_t *g, void (*unit)(job_t *, int64_t), int64_t threads, int64_t pool_id) {
+    if (g->m < 0 || g->n <= 0 || g->k <= 0 || g->ldx < g->k || g->ldy < g->n || pool_id < 0 || pool_id >= POOLS)
+        return -1;
+    if (g->m == 0) return 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    plan_gemm(g, threads);
+    g->base.unit = unit;
+    pool_t *pool = &pools[pool_id];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &g->base, threads);
+    pthread_mutex_unlock(&pool->call);
+    return 0;
+}
 #endif
 
 /* Floats the packed weight of an [n, k] linear layer takes (0 where this build has no float32 linear). */
@@ -1855,18 +1878,8 @@ int vlm_linear_pack(const float *w, int64_t n, int64_t k, int64_t ldw, float *wp
 int vlm_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wp, int64_t n, const float *bias,
                float *y, int64_t ldy, int64_t threads, int64_t pool_id) {
 #if ROWS_IN_LANES
-    if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || pool_id < 0 || pool_id >= POOLS) return -1;
-    if (m == 0) return 0;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
     gemm_job_t g = {.x = x, .wp = wp, .bias = bias, .y = y, .m = m, .n = n, .k = k, .ldx = ldx, .ldy = ldy};
-    plan_gemm(&g, threads);
-    g.base.unit = gemm_unit;
-    pool_t *pool = &pools[pool_id];
-    pthread_mutex_lock(&pool->call);
-    dispatch(pool, &g.base, threads);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
+    return run_gemm(&g, gemm_unit, threads, pool_id);
 #else
     (void)x, (void)m, (void)k, (void)ldx, (void)wp, (void)n, (void)bias, (void)y, (void)ldy, (void)threads,
         (void)pool_id;
@@ -1879,20 +1892,10 @@ int vlm_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *w
 int vlm_linear_glu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *wg, const float *wu, int64_t n,
                    const float *bg, const float *bu, float *y, int64_t ldy, int64_t threads, int64_t pool_id) {
 #if ROWS_IN_LANES
-    if (m < 0 || n <= 0 || k <= 0 || ldx < k || ldy < n || pool_id < 0 || pool_id >= POOLS) return -1;
-    if (m == 0) return 0;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
     glu_job_t q = {.g = {.x = x, .wp = wg, .bias = bg, .y = y, .m = m, .n = n, .k = k, .ldx = ldx, .ldy = ldy},
                    .wu = wu,
                    .bu = bu};
-    plan_gemm(&q.g, threads);
-    q.g.base.unit = glu_unit;
-    pool_t *pool = &pools[pool_id];
-    pthread_mutex_lock(&pool->call);
-    dispatch(pool, &q.g.base, threads);
-    pthread_mutex_unlock(&pool->call);
-    return 0;
+    return run_gemm(&q.g, glu_unit, threads, pool_id);
 #else
     (void)x, (void)m, (void)k, (void)ldx, (void)wg, (void)wu, (void)n, (void)bg, (void)bu, (void)y, (void)ldy,
         (void)threads, (void)pool_id;
