@@ -40,13 +40,17 @@ class DeviceBinding:
     N ≠ 0 is not the default of a new thread); a no-op elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:
+            # "cuda" names the creating thread's current device; a worker thread's own current device is 0,
+            # and torch.cuda.set_device refuses an index-less device (torch 2.11 raises), so fix it here
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._bound = threading.local()
 
     def __call__(self) -> None:
         if self.device.type != "cuda" or getattr(self._bound, "done", False):
             return
-        torch.cuda.set_device(self.device)
+        torch.cuda.set_device(self.device.index)
         self._bound.done = True
 
 

@@ -36,9 +36,30 @@ def test_binding_sets_the_device_once_in_every_thread(monkeypatch):
     worker.start()
     worker.join()
     assert [name for name, _ in calls] == [threading.current_thread().name, "encoder"]
-    assert {d for _, d in calls} == {torch.device("cuda:1")}
+    assert {d for _, d in calls} == {1}
     DeviceBinding(torch.device("cpu"))()
     assert len(calls) == 2
+
+
+def test_binding_of_plain_cuda_names_the_creating_threads_device(monkeypatch):
+    """``--device cuda`` binds every worker thread to the device current where the engine was built (a new
+    thread's own current device is 0), by index: torch 2.11's set_device refuses an index-less device, which
+    the first GPU run of benchmarks/gpu_check.py hit."""
+    calls: list[int] = []
+
+    def set_device(d):
+        if isinstance(d, torch.device) and d.index is None:  # as torch's _get_device_index raises
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{d}")
+        calls.append(d.index if isinstance(d, torch.device) else int(d))
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    bind = DeviceBinding(torch.device("cuda"))
+    assert bind.device == torch.device("cuda:3")
+    worker = threading.Thread(target=bind)
+    worker.start()
+    worker.join()
+    assert calls == [3]
 
 
 def test_step_inputs_travel_in_one_buffer(tiny_ckpt, monkeypatch):
