@@ -18,6 +18,7 @@ rate. Pixels are random (the work does not depend on them).
     .venv/bin/python benchmarks/encoder_throughput.py --dtype float32 --attention torch
     .venv/bin/python benchmarks/encoder_throughput.py --rows-per-pass 0   # ours in one pass, as before
     .venv/bin/python benchmarks/encoder_throughput.py --family qwen3_vl           # Qwen3-VL (deepstack)
+    python3 benchmarks/encoder_throughput.py --quick --device cuda    # on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ RESULTS = Path(__file__).parent / "results" / "encoder_throughput"
 SIZES = [(224, 224), (448, 336), (640, 480), (336, 896), (800, 600), (1024, 768), (1280, 720), (1600, 1200),
          (1536, 2048), (2048, 1536)]  # fmt: skip
 QUICK_SIZES = [(224, 224), (640, 480), (1024, 768)]
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -78,31 +80,44 @@ def cpu_flags() -> str:
     return " ".join(sorted(flags)) or "none"
 
 
-def best_time(fn, repeat: int) -> float:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU needs nothing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn, repeat: int, device: torch.device = CPU) -> float:
     fn()
+    sync(device)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
 
 def machine_rates(
-    dtype: torch.dtype, heads: int, head_dim: int, repeat: int, peak: bool = False
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    repeat: int,
+    peak: bool = False,
+    device: torch.device = CPU,
 ) -> dict[str, float]:
-    """GFLOP/s of a 2048×1024 · 1024×4096 matmul and of SDPA over 1024 tokens, in ``dtype``; with ``peak``
-    also the CPU's arithmetic peak for that dtype (``benchmarks/cpu_peak.py``; absent without the
-    instruction), which bounds every tower's rate."""
-    a, b = torch.randn(2048, 1024).to(dtype), torch.randn(1024, 4096).to(dtype)
-    mm = best_time(lambda: a @ b, repeat)
-    q = torch.randn(1, heads, 1024, head_dim).to(dtype)
-    sdpa = best_time(lambda: F.scaled_dot_product_attention(q, q, q), repeat)
+    """GFLOP/s of a 2048×1024 · 1024×4096 matmul and of SDPA over 1024 tokens, in ``dtype`` on ``device``; with
+    ``peak`` also the CPU's arithmetic peak for that dtype (``benchmarks/cpu_peak.py``; absent without the
+    instruction, and on a GPU), which bounds every tower's rate."""
+    a, b = torch.randn(2048, 1024).to(device, dtype), torch.randn(1024, 4096).to(device, dtype)
+    mm = best_time(lambda: a @ b, repeat, device)
+    q = torch.randn(1, heads, 1024, head_dim).to(device, dtype)
+    sdpa = best_time(lambda: F.scaled_dot_product_attention(q, q, q), repeat, device)
     rates = {
         "matmul_gflops": 2 * 2048 * 1024 * 4096 / mm / 1e9,
         "sdpa_gflops": 4 * 1024 * 1024 * heads * head_dim / sdpa / 1e9,
     }
-    if peak and dtype in (torch.float32, torch.bfloat16):
+    if peak and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from benchmarks.cpu_peak import peak_gflops
 
         found = peak_gflops(str(dtype).removeprefix("torch."), torch.get_num_threads())
@@ -141,11 +156,17 @@ class HookTimer:
     MLP whose gate, up and silu · up run as one call of the float32 kernel (the gate and up modules are then never
     called) counts whole as linear time."""
 
-    def __init__(self, model: torch.nn.Module, attention_cls: tuple[type, ...]) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention_cls: tuple[type, ...],
+        device: torch.device = CPU,
+    ) -> None:
         from encoder.models.linear import KernelLinear, PackedLinear
         from encoder.models.qwen2_5_vl import GatedMlp
 
         self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
+        self.device = device
         self.handles = []
         inside = {id(m) for a in model.modules() if isinstance(a, attention_cls) for m in a.modules()}
         one_pass = [m for m in model.modules() if isinstance(m, GatedMlp) and m.one_pass()]
@@ -164,9 +185,11 @@ class HookTimer:
         start: list[float] = []
 
         def pre(*_):
+            sync(self.device)
             start.append(time.perf_counter())
 
         def post(*_):
+            sync(self.device)
             elapsed = time.perf_counter() - start.pop()
             for key in into:
                 self.times[key] += elapsed
@@ -181,10 +204,11 @@ class HookTimer:
         return t["linear"], t["attention"] - t["projections"]
 
 
-def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int) -> Result:
-    seconds = best_time(fn, repeat)
-    timer = HookTimer(model, attention_cls)
+def run_tower(name: str, fn, model, attention_cls, patches: int, repeat: int, device: torch.device) -> Result:
+    seconds = best_time(fn, repeat, device)
+    timer = HookTimer(model, attention_cls, device)
     fn()
+    sync(device)
     linear, attention = timer.close()
     return Result(name, seconds, patches, linear, attention)
 
@@ -209,25 +233,28 @@ def image_grids(model_dir: Path, sizes: list[tuple[int, int]]) -> list[tuple[int
     return grids
 
 
-def build_ours(model_dir: Path, dtype: torch.dtype, attention: str) -> tuple[dict, torch.nn.Module]:
-    """(config.json, our tower with the checkpoint's weights, linear layers packed as the server runs it)."""
+def build_ours(
+    model_dir: Path, dtype: torch.dtype, attention: str, device: torch.device
+) -> tuple[dict, torch.nn.Module]:
+    """(config.json, our tower with the checkpoint's weights on ``device``, linear layers packed as the server
+    runs it)."""
     from encoder.models import build_vision_tower
     from encoder.models.linear import pack_linears
 
     config = json.loads((model_dir / "config.json").read_text())
-    ours = build_vision_tower(config, model_dir, dtype=dtype, attention=attention)
+    ours = build_vision_tower(config, model_dir, dtype=dtype, device=device, attention=attention)
     pack_linears(ours)
     return config, ours
 
 
-def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str, device: torch.device):
     from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, Qwen3VLVisionModel
 
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
-    config, ours = build_ours(model_dir, dtype, attention)
+    config, ours = build_ours(model_dir, dtype, attention, device)
     hf_cfg = Qwen3VLVisionConfig(**config["vision_config"])
     hf_cfg._attn_implementation = "sdpa"
     hf = Qwen3VLVisionModel._from_config(hf_cfg, dtype=dtype).eval()
@@ -235,12 +262,14 @@ def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str):
         k.removeprefix("model.visual."): t for k, t in read_tensors(model_dir, ("model.visual.",)).items()
     }
     hf.load_state_dict(state)
-    return ours, (Attention,), hf, (Qwen3VLVisionAttention,)
+    return ours, (Attention,), hf.to(device), (Qwen3VLVisionAttention,)
 
 
-def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
+def build_towers(model_dir: Path, dtype: torch.dtype, attention: str, device: torch.device = CPU):
+    """(ours, our attention classes, transformers' tower, its attention classes), both on ``device`` with the
+    checkpoint's weights."""
     if json.loads((model_dir / "config.json").read_text()).get("model_type") == "qwen3_vl":
-        return build_qwen3_towers(model_dir, dtype, attention)
+        return build_qwen3_towers(model_dir, dtype, attention, device)
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as hf25
     import transformers.models.qwen2_vl.modeling_qwen2_vl as hf2
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -250,7 +279,7 @@ def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     from encoder.models.qwen2_vl import Attention
     from encoder.models.weights import read_tensors
 
-    config, ours = build_ours(model_dir, dtype, attention)
+    config, ours = build_ours(model_dir, dtype, attention, device)
     if family_of(config) == "qwen2_5_vl":
         cfg_cls, model_cls, attn_cls = (
             Qwen2_5_VLVisionConfig,
@@ -269,7 +298,7 @@ def build_towers(model_dir: Path, dtype: torch.dtype, attention: str):
     hf = model_cls._from_config(hf_cfg, dtype=dtype).eval()
     state = {k.removeprefix("visual."): t for k, t in read_tensors(model_dir, ("visual.",)).items()}
     hf.load_state_dict(state)
-    return ours, (Attention,), hf, (attn_cls,)
+    return ours, (Attention,), hf.to(device), (attn_cls,)
 
 
 def main() -> None:
@@ -288,6 +317,10 @@ def main() -> None:
         default=None,
         help="our tower's patches per pass (default: the tower's own; 0: the whole batch in one pass)",
     )
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: both towers and the rates there")
+    ap.add_argument(
+        "--profile", action="store_true", help="then one pass of ours and of hf packed under torch's profiler"
+    )
     ap.add_argument("--quick", action="store_true", help="3 images, 1 repeat")
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
@@ -295,7 +328,8 @@ def main() -> None:
 
     model_dir = ensure_checkpoint(args.model, args.family)
     dtype = compute_dtype(model_dir, args.dtype)
-    ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention)
+    device = torch.device(args.device)
+    ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention, device)
     if args.rows_per_pass is not None:
         ours.rows_per_pass = args.rows_per_pass
     cfg = ours.cfg
@@ -303,20 +337,54 @@ def main() -> None:
     grids = image_grids(model_dir, QUICK_SIZES if args.quick else SIZES)
     flops = work(cfg, grids)
     n = int(flops["patches"])
-    pixels = torch.randn(n, cfg.patch_dim)
-    grid = torch.tensor(grids)
-    rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat), peak=True)
+    pixels = torch.randn(n, cfg.patch_dim).to(device)
+    grid = torch.tensor(grids, device=device)
+    rates = machine_rates(dtype, cfg.num_heads, cfg.head_dim, max(3, repeat), peak=True, device=device)
     with torch.no_grad():
-        results = [run_tower("ours", lambda: ours(pixels, grid), ours, ours_attn, n, repeat)]
+        results = [run_tower("ours", lambda: ours(pixels, grid), ours, ours_attn, n, repeat, device)]
         results.append(
-            run_tower("hf packed", lambda: hf(pixels.to(dtype), grid_thw=grid), hf, hf_attn, n, repeat)
+            run_tower(
+                "hf packed", lambda: hf(pixels.to(dtype), grid_thw=grid), hf, hf_attn, n, repeat, device
+            )
         )
         results.append(
-            run_tower("hf single", lambda: _one_by_one(hf, pixels, grids, dtype), hf, hf_attn, n, repeat)
+            run_tower(
+                "hf single", lambda: _one_by_one(hf, pixels, grids, dtype), hf, hf_attn, n, repeat, device
+            )
         )
     args.rows_per_pass_used = ours.rows_per_pass
     args.linears = linear_kinds(ours)
     report(args, model_dir, dtype, grids, flops, rates, results, ours.attend.name)
+    if args.profile:
+        with torch.no_grad():
+            profile_pass("ours", lambda: ours(pixels, grid), device)
+            profile_pass("hf packed", lambda: hf(pixels.to(dtype), grid_thw=grid), device)
+
+
+def profile_pass(name: str, fn, device: torch.device, rows: int = 14) -> None:
+    """One warm pass under torch's profiler: the ops with the most self time on the host and, on a GPU, on the
+    device, and the pass's kernel launches and host↔device synchronisations."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    sync(device)
+    with profile(activities=activities) as prof:
+        with record_function("tower_pass"):
+            fn()
+        sync(device)
+    table = prof.key_averages()
+    print(f"\n== profile: {name} ==")
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
+    if device.type == "cuda":
+        print(table.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=48))
+        from benchmarks.gpu_check import events_within
+
+        names = events_within(prof, "tower_pass")  # the pass's own calls, not the timing sync after it
+        launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
+        syncs = sum("Synchronize" in n for n in names)
+        copies = sum(n in ("cudaMemcpy", "cudaMemcpyAsync") for n in names)
+        print(f"{name}: {launches} kernel launches, {syncs} synchronisations, {copies} memcpy calls")
 
 
 def linear_kinds(model: torch.nn.Module) -> str:
@@ -333,14 +401,21 @@ def linear_kinds(model: torch.nn.Module) -> str:
 def _one_by_one(hf, pixels: torch.Tensor, grids, dtype) -> None:
     start = 0
     for t, h, w in grids:
-        hf(pixels[start : start + t * h * w].to(dtype), grid_thw=torch.tensor([[t, h, w]]))
+        hf(
+            pixels[start : start + t * h * w].to(dtype),
+            grid_thw=torch.tensor([[t, h, w]], device=pixels.device),
+        )
         start += t * h * w
 
 
 def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], attention: str) -> None:
     mm = rates["matmul_gflops"]
     name = str(dtype).removeprefix("torch.")
-    print(f"model {model_dir}  dtype {name}  threads {torch.get_num_threads()}  CPU flags: {cpu_flags()}")
+    where = (
+        args.device if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name(args.device)})"
+    )
+    print(f"model {model_dir}  dtype {name}  device {where}  threads {torch.get_num_threads()}  "
+          f"CPU flags: {cpu_flags()}")  # fmt: skip
     print(f"images {len(grids)}  patches {int(flops['patches'])}  our attention: {attention}  "
           f"rows per pass: {args.rows_per_pass_used}  our linear layers: {args.linears}")  # fmt: skip
     peak = rates.get("peak_gflops")
@@ -369,9 +444,10 @@ def report(args, model_dir, dtype, grids, flops, rates, results: list[Result], a
         print(f"ceiling: a tower at the arithmetic peak would be {peak / best_rate:.2f}x the best "
               f"transformers mode ({best_rate:.0f} GFLOP/s); ours is at {rows[0]['gflops'] / peak:.0%} of the peak")  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
+    tag = ("-quick" if args.quick else "") + ("" if args.device == "cpu" else f"-{args.device.split(':')[0]}")
+    out = RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}{tag}.json"
     out.write_text(json.dumps({
-        "dtype": name, "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
+        "dtype": name, "device": where, "cpu_flags": cpu_flags(), "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(), "grids": grids, "flops": flops, "rates": rates,
         "attention": attention, "rows_per_pass": args.rows_per_pass_used, "linears": args.linears, "results": rows,
         "speedup_vs_best_hf": speedup,

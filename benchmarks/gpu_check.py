@@ -12,9 +12,15 @@ Sections, each printing PASS/FAIL lines and a summary at the end:
    that changes nothing, seeded sampling with ``n=2`` reproducible, and the blocks all freed.
 4. ``syncs``: one steady decode step under the profiler: host↔device synchronisations counted (the sampler's
    one ``.tolist()`` is the only one expected).
+5. ``encoder``: our Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers on the GPU against transformers' towers on the same
+   packed mixed-resolution pixels (a grid that is not a multiple of Qwen2.5-VL's window among them): float32
+   within float32 rounding, the packed batch equal to each image alone, and bf16 no further from the float32
+   reference than transformers' own bf16 tower is (times of both printed). ``gpu_check.sh`` then runs
+   ``encoder_throughput.py --quick --device cuda`` for the first two families.
 
     python3 benchmarks/gpu_check.py                 # all sections
     python3 benchmarks/gpu_check.py kernels e2e     # some
+    .venv/bin/python benchmarks/gpu_check.py --cpu e2e encoder   # a dry run of the script itself, no GPU
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS: list[tuple[str, bool, str]] = []
+DEVICE = (
+    "cuda"  # --cpu: the sections that need no CUDA-only feature, on the CPU (checks this script, not a GPU)
+)
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -141,7 +150,7 @@ def _check_warmup() -> None:
 def check_bf16(ckpt: Path) -> None:
     from benchmarks.bf16_agreement import run
 
-    rec = run(str(ckpt), 20, "cuda")
+    rec = run(str(ckpt), 20, DEVICE)
     rows = rec["first_token_agreement"]
     ours = int(rows["engine bf16 vs transformers bf16"]["all"].split("/")[0])
     floor = int(rows["transformers bf16 vs transformers float32 (noise floor)"]["all"].split("/")[0])
@@ -153,14 +162,14 @@ def check_e2e(ckpt: Path) -> None:
     from lm_engine import LLM, SamplingParams
     from tests.support import HFOracle, image_part, make_image, mixed_requests, user
 
-    oracle = HFOracle(ckpt, torch.float32, "cuda")
+    oracle = HFOracle(ckpt, torch.float32, DEVICE)
     convs = mixed_requests()
     refs = [oracle.generate(c, 20) for c in convs]
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
-    with LLM(str(ckpt), device="cuda", dtype="float32", max_num_batched_tokens=96) as llm:
+    with LLM(str(ckpt), device=DEVICE, dtype="float32", max_num_batched_tokens=96) as llm:
         outs = llm.chat(convs, greedy)
         same = sum(o.token_ids == r for o, r in zip(outs, refs))
-        check("greedy ids equal transformers on cuda", same == len(refs), f"{same}/{len(refs)}")
+        check(f"greedy ids equal transformers on {DEVICE}", same == len(refs), f"{same}/{len(refs)}")
         again = llm.chat(convs, greedy)
         cached = sum(o.num_cached_tokens for o in again)
         check(
@@ -182,7 +191,7 @@ def check_e2e(ckpt: Path) -> None:
 
 # -- 4. synchronisations ---------------------------------------------------------------------------------
 def check_syncs(ckpt: Path) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from lm_engine import LLM, SamplingParams
     from tests.support import user
@@ -196,9 +205,12 @@ def check_syncs(ckpt: Path) -> None:
         for _ in range(6):  # prefill done, decoding
             eng.step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities) as prof, record_function("vlmserve_step"):
             eng.step()
-        names = [e.name for e in prof.events()]
+        # NOTE: only what the step called: leaving the profiler synchronises the device itself (a
+        # cudaDeviceSynchronize the first GPU run counted against the step)
+        names = events_within(prof, "vlmserve_step")
         syncs = [n for n in names if "Synchronize" in n]
         copies = [n for n in names if n in ("cudaMemcpy", "cudaMemcpyAsync")]
         print("sync calls:", syncs, "| memcpy calls:", len(copies))
@@ -209,18 +221,127 @@ def check_syncs(ckpt: Path) -> None:
             eng.step()
 
 
+# -- 5. encoder ------------------------------------------------------------------------------------------
+# (t, h, w) patch grids: 22×30 and 10×6 are not multiples of Qwen2.5-VL's 8-patch window
+ENCODER_GRIDS = [(1, 16, 16), (1, 22, 30), (1, 36, 28), (1, 10, 6)]
+
+
+def _hf_levels(out) -> list[torch.Tensor]:
+    """transformers' tower output as [merged rows, *deepstack levels] (Qwen3-VL has the levels)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64; NaN anywhere reads as infinitely far."""
+    a, b = a.double(), b.double()
+    err = float((a - b).norm() / b.norm())
+    return err if err == err else float("inf")
+
+
+def _timed(fn, device: torch.device) -> tuple[object, float]:
+    from benchmarks.encoder_throughput import best_time
+
+    out = fn()
+    return out, best_time(fn, 3, device)
+
+
+def check_encoder() -> None:
+    from benchmarks.encoder_throughput import build_towers
+    from lm_engine.models import qwen2_vl_make, qwen3_vl_make
+
+    device = torch.device(DEVICE)
+    # float32 means float32 here: no TF32 in transformers' patch convolution or either side's matmuls
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    root = Path(tempfile.mkdtemp())
+    for family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        path = root / family
+        if family == "qwen3_vl":
+            qwen3_vl_make.make_checkpoint(path, preset="tiny", seed=0)
+        else:
+            qwen2_vl_make.make_checkpoint(path, preset="tiny", seed=0, family=family)
+        _check_tower(
+            family, {dt: build_towers(path, dt, "auto", device) for dt in (torch.float32, torch.bfloat16)}
+        )
+
+
+def _check_tower(family: str, towers: dict) -> None:
+    """One family's towers ({dtype: build_towers(...)}) against transformers' on the same pixels."""
+    device = torch.device(DEVICE)
+    ours32, hf32 = towers[torch.float32][0], towers[torch.float32][2]
+    n = sum(t * h * w for t, h, w in ENCODER_GRIDS)
+    gen = torch.Generator().manual_seed(7)
+    pixels = torch.randn(n, ours32.cfg.patch_dim, generator=gen).to(device)
+    grid = torch.tensor(ENCODER_GRIDS, device=device)
+    with torch.no_grad():
+        want, hf_s = _timed(lambda: _hf_levels(hf32(pixels, grid_thw=grid)), device)
+        got, ours_s = _timed(lambda: ours32(pixels, grid), device)
+        got = list(got.chunk(len(want), dim=-1))
+        err = max(_rel(g, w) for g, w in zip(got, want))
+        check(
+            f"{family} tower float32 equals transformers on {DEVICE}",
+            all(g.shape == w.shape for g, w in zip(got, want)) and err <= 1e-4,
+            f"rel err {err:.1e} over {len(want)} level(s); {n} patches: ours {ours_s * 1e3:.1f} ms, "
+            f"transformers {hf_s * 1e3:.1f} ms",
+        )
+        ours32.rows_per_pass = 0  # every image in one packed pass
+        packed = ours32(pixels, grid)
+        start, rows, worst = 0, 0, 0.0
+        for t, h, w in ENCODER_GRIDS:
+            alone = ours32(pixels[start : start + t * h * w], torch.tensor([[t, h, w]], device=device))
+            worst = max(worst, _rel(packed[rows : rows + alone.shape[0]], alone))
+            start, rows = start + t * h * w, rows + alone.shape[0]
+        check(
+            f"{family} packed batch equals each image alone",
+            rows == packed.shape[0] and worst <= 1e-4,
+            f"rel err {worst:.1e}",
+        )
+        ours16, hf16 = towers[torch.bfloat16][0], towers[torch.bfloat16][2]
+        floor_levels, hf16_s = _timed(lambda: _hf_levels(hf16(pixels.bfloat16(), grid_thw=grid)), device)
+        got16, ours16_s = _timed(lambda: ours16(pixels, grid), device)
+        got16 = list(got16.chunk(len(want), dim=-1))
+        ours_err = max(_rel(g, w) for g, w in zip(got16, want))
+        floor = max(_rel(f, w) for f, w in zip(floor_levels, want))
+        check(
+            f"{family} tower bf16 as close to float32 as transformers' bf16 tower",
+            ours_err <= 1.5 * floor + 1e-3,
+            f"rel err {ours_err:.1e} vs transformers bf16 {floor:.1e}; ours {ours16_s * 1e3:.1f} ms, "
+            f"transformers {hf16_s * 1e3:.1f} ms",
+        )
+
+
+def events_within(prof, label: str) -> list[str]:
+    """Names of the profiled host events that started inside the ``record_function(label)`` range."""
+    events = prof.events()
+    span = next(e for e in events if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)
+    start, end = span.time_range.start, span.time_range.end
+    return [e.name for e in events if e is not span and start <= e.time_range.start <= end]
+
+
 def main() -> int:
-    if not torch.cuda.is_available():
+    global DEVICE
+    args = sys.argv[1:]
+    if "--cpu" in args:
+        args.remove("--cpu")
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    wanted = set(sys.argv[1:]) or {"kernels", "bf16", "e2e", "syncs"}
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, sections {sorted(wanted)}", flush=True)
+    wanted = set(args) or {"kernels", "bf16", "e2e", "syncs", "encoder"}
+    if DEVICE == "cpu" and wanted & {"kernels", "syncs"}:
+        print("--cpu runs bf16, e2e and encoder only (kernels and syncs need CUDA)")
+        return 2
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run"
+    print(f"torch {torch.__version__}, {name}, sections {sorted(wanted)}", flush=True)
     ckpt = tiny_checkpoint()
     sections = {
         "kernels": check_kernels,
         "bf16": lambda: check_bf16(ckpt),
         "e2e": lambda: check_e2e(ckpt),
         "syncs": lambda: check_syncs(ckpt),
+        "encoder": check_encoder,
     }
     for name, fn in sections.items():
         if name not in wanted:
