@@ -171,9 +171,8 @@ class Qwen25VisionTower(VisionTower):
         )
         rows = (units.view(-1, 1) * unit + torch.arange(unit)).view(-1)
         cos, sin = rotary_tables(
-            patch_positions(grid_thw, cfg.spatial_merge_size)[rows], cfg.head_dim, cfg.rope_theta
+            patch_positions(grid_thw, cfg.spatial_merge_size)[rows], cfg.head_dim, cfg.rope_theta, device
         )
-        cos, sin = cos.to(device), sin.to(device)
         full = Segments.of_lengths([h * w for t, h, w in grid_thw for _ in range(t)])
         windowed = Segments.of_lengths([n * unit for n in windows])
         return VisionBatch(full, cos, sin), VisionBatch(windowed, cos, sin), units

@@ -157,9 +157,9 @@ class Qwen3VisionTower(VisionTower):
     def metadata(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> VisionBatch:
         segments = Segments.of_lengths([h * w for t, h, w in grid_thw for _ in range(t)])
         cos, sin = rotary_tables(
-            patch_positions(grid_thw, self.spatial_merge_size), self.cfg.head_dim, self.cfg.rope_theta
+            patch_positions(grid_thw, self.spatial_merge_size), self.cfg.head_dim, self.cfg.rope_theta, device
         )
-        return VisionBatch(segments, cos.to(device), sin.to(device))
+        return VisionBatch(segments, cos, sin)
 
     def positions(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
         """The learned position table resampled to every patch ([N, embed], float32 as transformers sums it)."""
