@@ -234,7 +234,7 @@ def image_grids(model_dir: Path, sizes: list[tuple[int, int]]) -> list[tuple[int
 
 
 def build_ours(
-    model_dir: Path, dtype: torch.dtype, attention: str, device: torch.device
+    model_dir: Path, dtype: torch.dtype, attention: str, device: torch.device = CPU
 ) -> tuple[dict, torch.nn.Module]:
     """(config.json, our tower with the checkpoint's weights on ``device``, linear layers packed as the server
     runs it)."""
