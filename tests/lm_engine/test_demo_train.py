@@ -144,3 +144,65 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
             torch.testing.assert_close(grads_three[name], grad)
     # the defaults are the shipped checkpoint's recipe (its demo_training.json predates the two fields)
     assert (demo_train.TrainConfig().tower_count_weight, demo_train.TrainConfig().count_weight) == (1.0, 1.0)
+
+
+def test_shared_prefix_rows_compute_each_question_alone(encoder):
+    """A row holding an image's prefix once and each question's block after it gives every answer token the
+    logits transformers' own forward gives that question as a sequence of its own (its 2-D padding mask and
+    the M-RoPE positions it computes itself), and the loss's gradient reaches the tower the same way."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    model = demo_train.build_model(seed=0)
+    # colour, shape and description; count and description; a number; sizes between budgets
+    examples = [tasks.sample(9, i, kind) for i, kind in enumerate(("single", "many", "number", "single"))]
+    budgets = [encoder.pre.max_pixels, encoder.pre.max_pixels // 4, encoder.pre.max_pixels // 2, 20_000]
+    batch = make_batch(encoder, examples, budgets)
+    assert batch["sequences"] == sum(len(ex.qa) for ex in examples) and (batch["block"] > 1).any()
+
+    feats, _, _ = demo_train.encode_images(model, batch)
+    ours, where = demo_train.answer_logits(model, batch, feats)
+    ours_loss = torch.nn.functional.cross_entropy(ours, batch["labels"][where])
+    qkv = model.model.visual.blocks[0].attn.qkv.weight
+    grad_ours = torch.autograd.grad(ours_loss, qkv, retain_graph=True)[0]  # the tower graph serves both
+
+    # the reference: one sequence per (image, question), as train-demo built them before sharing the prefix
+    seqs = []
+    for i, ex in enumerate(examples):
+        n_tok = int(batch["grid_thw"][i].prod()) // 4
+        for task, answer in ex.qa.items():
+            text = (
+                f"<|im_start|>system\n{demo_train.SYSTEM}<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+                + "<|image_pad|>" * n_tok
+                + f"<|vision_end|>{tasks.QUESTIONS[task]}<|im_end|>\n<|im_start|>assistant\n"
+            )
+            prompt = encoder.tok.encode(text, add_special_tokens=False).ids
+            assert prompt == encoder.prefix(n_tok) + encoder.question(tasks.QUESTIONS[task])
+            seqs.append((i, prompt, encoder.answer(answer)))
+    length = max(len(p) + len(a) for _, p, a in seqs)
+    ids = torch.full((len(seqs), length), encoder.ids["<|endoftext|>"])
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for row, (_, prompt, answer) in enumerate(seqs):
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        mask[row, : len(prompt) + len(answer)] = 1
+        labels[row, len(prompt) - 1 : len(prompt) + len(answer) - 1] = torch.tensor(answer)
+    image_of_seq = torch.tensor([i for i, *_ in seqs])
+    out = model.model(
+        input_ids=ids,
+        attention_mask=mask,
+        image_grid_thw=batch["grid_thw"][image_of_seq],
+        mm_token_type_ids=(ids == model.config.image_token_id).int(),
+        mm_encoder_outputs={
+            "image": BaseModelOutputWithPooling(pooler_output=tuple(feats[i] for i in image_of_seq.tolist()))
+        },
+        use_cache=False,
+    )
+    theirs = model.lm_head(out.last_hidden_state[labels != -100]).float()
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    theirs_loss = torch.nn.functional.cross_entropy(theirs, labels[labels != -100])
+    grad_theirs = torch.autograd.grad(theirs_loss, qkv, retain_graph=True)[0]
+    torch.testing.assert_close(grad_ours, grad_theirs, rtol=1e-3, atol=1e-6)
+
+    # and forward's per-question exact match follows the labels of each question
+    loss, exact = demo_train.forward(model, batch)
+    assert exact.shape == (len(seqs),) and loss.item() == pytest.approx(ours_loss.item(), rel=1e-5)
