@@ -12,7 +12,10 @@ Sections, each printing PASS/FAIL lines and a summary at the end:
    that changes nothing, seeded sampling with ``n=2`` reproducible, and the blocks all freed.
 4. ``syncs``: one steady decode step under the profiler: host↔device synchronisations counted (the sampler's
    one ``.tolist()`` is the only one expected).
-5. ``encoder``: our Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers on the GPU against transformers' towers on the same
+5. ``serve``: ``vlmserve serve --device cuda`` on the embedded demo model (the README's main command, its encoder
+   thread and preprocessing pool included): healthy, and the colour and shape of fixed task-set images answered
+   right over HTTP (the shipped model answers those questions on every such image on the CPU).
+6. ``encoder``: our Qwen2-VL, Qwen2.5-VL and Qwen3-VL towers on the GPU against transformers' towers on the same
    packed mixed-resolution pixels (a grid that is not a multiple of Qwen2.5-VL's window among them): float32
    within float32 rounding, the packed batch equal to each image alone, and bf16 no further from the float32
    reference than transformers' own bf16 tower is (times of both printed). ``gpu_check.sh`` then runs
@@ -20,20 +23,26 @@ Sections, each printing PASS/FAIL lines and a summary at the end:
 
     python3 benchmarks/gpu_check.py                 # all sections
     python3 benchmarks/gpu_check.py kernels e2e     # some
-    .venv/bin/python benchmarks/gpu_check.py --cpu e2e encoder   # a dry run of the script itself, no GPU
+    .venv/bin/python benchmarks/gpu_check.py --cpu e2e serve encoder   # a dry run of the script itself, no GPU
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 RESULTS: list[tuple[str, bool, str]] = []
 DEVICE = (
@@ -221,7 +230,68 @@ def check_syncs(ckpt: Path) -> None:
             eng.step()
 
 
-# -- 5. encoder ------------------------------------------------------------------------------------------
+# -- 5. serve --------------------------------------------------------------------------------------------
+SERVE_SEED = 30_000  # tests/lm_engine/test_shipped_demo.py's fixed images
+
+
+def _chat(url: str, image: bytes, question: str) -> str:
+    """One greedy chat request with the image as a data URL (the README's request); the reply's text."""
+    mime = "image/png" if image.startswith(b"\x89PNG") else "image/jpeg"
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(image).decode()}"}},
+        {"type": "text", "text": question},
+    ]
+    body = {"model": "vlmserve-demo", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions",
+        json.dumps(body | {"temperature": 0}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        return json.load(r)["choices"][0]["message"]["content"]
+
+
+def check_serve() -> None:
+    from lm_engine.models import demo_tasks as tasks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = Path(tempfile.mkdtemp()) / "serve.log"
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--device", DEVICE, "--port", str(port)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url, before = f"http://127.0.0.1:{port}", len(RESULTS)
+    try:
+        t0, healthy = time.perf_counter(), False
+        while not healthy and proc.poll() is None and time.perf_counter() - t0 < 240:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    healthy = r.status == 200
+            except OSError:
+                time.sleep(1)
+        check(f"vlmserve serve --device {DEVICE} healthy", healthy, f"after {time.perf_counter() - t0:.0f} s")
+        if healthy:
+            asked = [(ex, task) for ex, task in tasks.eval_set(SERVE_SEED, 3) if task in ("color", "shape")]
+            right = sum(
+                _chat(url, ex.data, ex.question(task)).strip().lower() == ex.qa[task] for ex, task in asked
+            )
+            check(
+                f"served on {DEVICE}: colour and shape of fixed images",
+                right == len(asked),
+                f"{right}/{len(asked)}",
+            )
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if not all(ok for _, ok, _ in RESULTS[before:]):
+            print(log_path.read_text()[-3000:])
+
+
+# -- 6. encoder ------------------------------------------------------------------------------------------
 # (t, h, w) patch grids: 22×30 and 10×6 are not multiples of Qwen2.5-VL's 8-patch window
 ENCODER_GRIDS = [(1, 16, 16), (1, 22, 30), (1, 36, 28), (1, 10, 6)]
 
@@ -329,9 +399,9 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    wanted = set(args) or {"kernels", "bf16", "e2e", "syncs", "encoder"}
+    wanted = set(args) or {"kernels", "bf16", "e2e", "syncs", "serve", "encoder"}
     if DEVICE == "cpu" and wanted & {"kernels", "syncs"}:
-        print("--cpu runs bf16, e2e and encoder only (kernels and syncs need CUDA)")
+        print("--cpu runs bf16, e2e, serve and encoder only (kernels and syncs need CUDA)")
         return 2
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run"
     print(f"torch {torch.__version__}, {name}, sections {sorted(wanted)}", flush=True)
@@ -341,6 +411,7 @@ def main() -> int:
         "bf16": lambda: check_bf16(ckpt),
         "e2e": lambda: check_e2e(ckpt),
         "syncs": lambda: check_syncs(ckpt),
+        "serve": check_serve,
         "encoder": check_encoder,
     }
     for name, fn in sections.items():

@@ -11,11 +11,19 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 wheels=.gpu_wheels
 if [ "${1:-}" = "--prepare" ]; then
   mkdir -p "$wheels"
-  # the lent machine's python3 is CPython 3.12 (the device notes): wheels for it, whatever python runs here.
-  # Its image holds every other package the checks import (xxhash, prometheus-client, jinja2, transformers…).
+  # the lent machine's python3 is CPython 3.12 (the device notes): wheels for it, whatever python runs here, at
+  # the versions this venv runs (installed there without their dependencies). Its image lacks these: redis, and
+  # the server's (the serve section); it holds every other package the checks import (transformers, xxhash…).
+  pins=$(.venv/bin/python - <<'PY'
+from importlib.metadata import version
+names = ["redis", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "uvicorn"]
+print(" ".join(f"{n}=={version(n)}" for n in names))
+PY
+)
+  # shellcheck disable=SC2086
   .venv/bin/python -m pip download --no-deps -q -d "$wheels" --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 redis
+    --platform manylinux2014_x86_64 $pins
   grep -qx "/$wheels/" .git/info/exclude 2>/dev/null || echo "/$wheels/" >> .git/info/exclude
   ls "$wheels"
   exit 0
@@ -23,7 +31,8 @@ fi
 py=python3
 missing=$($py - <<'PY'
 import importlib.util as u
-print(" ".join(m for m in ("torch", "triton", "transformers", "redis", "xxhash", "jinja2", "tokenizers", "safetensors") if u.find_spec(m) is None))
+need = ("torch", "triton", "transformers", "redis", "xxhash", "jinja2", "tokenizers", "safetensors", "fastapi", "uvicorn")
+print(" ".join(m for m in need if u.find_spec(m) is None))
 PY
 )
 if [ -n "$missing" ] && [ -d "$wheels" ]; then
