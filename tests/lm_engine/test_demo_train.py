@@ -4,6 +4,7 @@ gradients, in the shapes it runs them in (a linear patch embedding, images atten
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -142,8 +143,11 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
             torch.testing.assert_close(grads_three[name], 3 * grad)
         else:
             torch.testing.assert_close(grads_three[name], grad)
-    # the defaults are the shipped checkpoint's recipe (its demo_training.json predates the two fields)
-    assert (demo_train.TrainConfig().tower_count_weight, demo_train.TrainConfig().count_weight) == (1.0, 1.0)
+    # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it
+    from lm_engine.models import demo
+
+    shipped = json.loads((demo.SHIPPED / "demo_training.json").read_text())["train_config"]
+    assert json.loads(json.dumps(dataclasses.asdict(demo_train.TrainConfig()))) == shipped
 
 
 def test_shared_prefix_rows_compute_each_question_alone(encoder):
