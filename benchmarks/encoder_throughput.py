@@ -378,13 +378,19 @@ def profile_pass(name: str, fn, device: torch.device, rows: int = 14) -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
     if device.type == "cuda":
         print(table.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=48))
-        from benchmarks.gpu_check import events_within
-
         names = events_within(prof, "tower_pass")  # the pass's own calls, not the timing sync after it
         launches = sum(n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC") for n in names)
         syncs = sum("Synchronize" in n for n in names)
         copies = sum(n in ("cudaMemcpy", "cudaMemcpyAsync") for n in names)
         print(f"{name}: {launches} kernel launches, {syncs} synchronisations, {copies} memcpy calls")
+
+
+def events_within(prof, label: str) -> list[str]:
+    """Names of the profiled host events that started inside the ``record_function(label)`` range."""
+    events = prof.events()
+    span = next(e for e in events if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)
+    start, end = span.time_range.start, span.time_range.end
+    return [e.name for e in events if e is not span and start <= e.time_range.start <= end]
 
 
 def linear_kinds(model: torch.nn.Module) -> str:

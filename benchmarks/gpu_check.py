@@ -1,4 +1,4 @@
-"""The checks to run when a GPU is lent (``benchmarks/gpu_check.sh`` runs this; at most ~8 minutes).
+"""The checks to run when a GPU is lent (``benchmarks/gpu_check.sh`` runs this; at most ~9 minutes).
 
 Sections, each printing PASS/FAIL lines and a summary at the end:
 
@@ -28,26 +28,19 @@ Sections, each printing PASS/FAIL lines and a summary at the end:
 
 from __future__ import annotations
 
-import base64
-import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS: list[tuple[str, bool, str]] = []
-DEVICE = (
-    "cuda"  # --cpu: the sections that need no CUDA-only feature, on the CPU (checks this script, not a GPU)
-)
+# --cpu: the sections that need no CUDA-only feature, on the CPU (checks this script, not a GPU)
+DEVICE = "cuda"
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -202,6 +195,7 @@ def check_e2e(ckpt: Path) -> None:
 def check_syncs(ckpt: Path) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from benchmarks.encoder_throughput import events_within
     from lm_engine import LLM, SamplingParams
     from tests.support import user
 
@@ -234,61 +228,51 @@ def check_syncs(ckpt: Path) -> None:
 SERVE_SEED = 30_000  # tests/lm_engine/test_shipped_demo.py's fixed images
 
 
-def _chat(url: str, image: bytes, question: str) -> str:
-    """One greedy chat request with the image as a data URL (the README's request); the reply's text."""
-    mime = "image/png" if image.startswith(b"\x89PNG") else "image/jpeg"
-    content = [
-        {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(image).decode()}"}},
-        {"type": "text", "text": question},
-    ]
-    body = {"model": "vlmserve-demo", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
-    request = urllib.request.Request(
-        url + "/v1/chat/completions",
-        json.dumps(body | {"temperature": 0}).encode(),
-        {"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as r:
-        return json.load(r)["choices"][0]["message"]["content"]
-
-
 def check_serve() -> None:
+    import httpx
+
+    from benchmarks.quality_vs_budget import data_url
+    from benchmarks.serve_compare import ServerProcess, free_port
     from lm_engine.models import demo_tasks as tasks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log_path = Path(tempfile.mkdtemp()) / "serve.log"
-    cmd = [sys.executable, "-m", "api.cli", "serve", "--device", DEVICE, "--port", str(port)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url, before = f"http://127.0.0.1:{port}", len(RESULTS)
-    try:
-        t0, healthy = time.perf_counter(), False
-        while not healthy and proc.poll() is None and time.perf_counter() - t0 < 240:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    healthy = r.status == 200
-            except OSError:
-                time.sleep(1)
-        check(f"vlmserve serve --device {DEVICE} healthy", healthy, f"after {time.perf_counter() - t0:.0f} s")
-        if healthy:
-            asked = [(ex, task) for ex, task in tasks.eval_set(SERVE_SEED, 3) if task in ("color", "shape")]
-            right = sum(
-                _chat(url, ex.data, ex.question(task)).strip().lower() == ex.qa[task] for ex, task in asked
-            )
-            check(
-                f"served on {DEVICE}: colour and shape of fixed images",
-                right == len(asked),
-                f"{right}/{len(asked)}",
-            )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        if not all(ok for _, ok, _ in RESULTS[before:]):
-            print(log_path.read_text()[-3000:])
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "api.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        DEVICE,
+    ]
+    log = Path(tempfile.mkdtemp()) / "serve.log"
+    # start() raises with the log's tail if the server exits or is not healthy in time: the section fails
+    with ServerProcess(f"vlmserve --device {DEVICE}", argv, port, log) as server:
+        server.start(timeout_s=240)
+        check(f"vlmserve serve --device {DEVICE} healthy", True, f"after {server.startup_s:.0f} s")
+        asked = [(ex, task) for ex, task in tasks.eval_set(SERVE_SEED, 3) if task in ("color", "shape")]
+        right = 0
+        with httpx.Client(timeout=120, trust_env=False) as client:
+            for ex, task in asked:
+                content = [
+                    {"type": "image_url", "image_url": {"url": data_url(ex)}},
+                    {"type": "text", "text": ex.question(task)},
+                ]
+                body = {"model": "vlmserve-demo", "messages": [{"role": "user", "content": content}]}
+                reply = client.post(
+                    server.base_url + "/v1/chat/completions", json=body | {"max_tokens": 8, "temperature": 0}
+                )
+                reply.raise_for_status()
+                answer = reply.json()["choices"][0]["message"]["content"]
+                right += tasks.normalize(answer) == tasks.normalize(ex.qa[task])
+        check(
+            f"served on {DEVICE}: colour and shape of fixed images",
+            right == len(asked),
+            f"{right}/{len(asked)}",
+        )
 
 
 # -- 6. encoder ------------------------------------------------------------------------------------------
@@ -380,14 +364,6 @@ def _check_tower(family: str, towers: dict) -> None:
             f"rel err {ours_err:.1e} vs transformers bf16 {floor:.1e}; ours {ours16_s * 1e3:.1f} ms, "
             f"transformers {hf16_s * 1e3:.1f} ms",
         )
-
-
-def events_within(prof, label: str) -> list[str]:
-    """Names of the profiled host events that started inside the ``record_function(label)`` range."""
-    events = prof.events()
-    span = next(e for e in events if e.name == label and e.device_type == torch.autograd.DeviceType.CPU)
-    start, end = span.time_range.start, span.time_range.end
-    return [e.name for e in events if e is not span and start <= e.time_range.start <= end]
 
 
 def main() -> int:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The one script to run when the device tool lends a GPU (at most ~9 minutes). It runs on the lent machine's
-# own python3 (which holds torch, triton and transformers); the few pure-Python packages vlmserve imports and
+# own python3 (which holds torch, triton and transformers); the few packages vlmserve imports and
 # that image lacks travel as wheels in .gpu_wheels/, which `benchmarks/gpu_check.sh --prepare` fills here
 # (pip download; the folder is git-ignored, so name it in the device tool's `carry`).
 #
 #   here:   benchmarks/gpu_check.sh --prepare
-#   there:  benchmarks/gpu_check.sh [sections...]   (kernels bf16 e2e syncs encoder; default all)
+#   there:  benchmarks/gpu_check.sh [sections...]   (kernels bf16 e2e syncs serve encoder; default all)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 wheels=.gpu_wheels
