@@ -225,7 +225,7 @@ def block_mask(block: torch.Tensor) -> torch.Tensor:
     NaN reaches the weights' gradients even where the row's output is unused)."""
     q, k = block[:, :, None], block[:, None, :]
     causal = torch.ones(block.shape[1], block.shape[1], dtype=torch.bool).tril()
-    allowed = causal & (k >= 0) & (q >= 0) & ((k == 0) | (k == q))
+    allowed = causal & (q >= 0) & ((k == 0) | (k == q))  # k == q >= 0 needs no check of its own that k >= 0
     return (allowed | torch.eye(block.shape[1], dtype=torch.bool))[:, None]
 
 
@@ -835,7 +835,10 @@ def lr_at(step: int, cfg: TrainConfig, steps: int | None = None, lr: float | Non
 # rows vary in length from step to step: a default run with the prompt prefix shared (make_batch) grew from
 # 3.1 GB at the phase's start to 23.0 GB at its end on a 24 GiB machine (2026-12-04, AMX Xeon). Handing the
 # kept pages back every PURGE_EVERY steps held 150 whole-model steps at 2.1-2.4 GB against 2.2-3.7 GB
-# growing, in the same time (132 against 130 s).
+# growing, in the same time (132 against 130 s); a whole default run then peaked at 2.99 GB (33.1 min, the
+# same weights to the byte). Why the shared-prefix rows grow jemalloc's kept pages ~3x faster than one
+# sequence per question did (~12 against ~4 MB a step) is not known: not their lengths alone (rows rounded
+# up to 64 tokens still grew ~10 MB a step).
 PURGE_EVERY = 25
 
 
