@@ -15,7 +15,8 @@ misses per true count); describe read 0.755 here against the server's 67.0 %, wh
 max_tokens of 8 cut every "the number NNNN" short; it now refuses a max_tokens an answer does not fit in).
 
 Besides the table it prints what the notes on the recipe use: counts by true count and the direction of the
-errors, and numbers by length.
+errors, numbers by length, and numbers by the digits' height in the pixels the tower sees (after the resize to
+the level's budget): whether a miss is a number too small to read at that budget or one the model misreads.
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ if str(ROOT) not in sys.path:
 from benchmarks.quality_vs_budget import level_name, model_ladder, resolve_model  # noqa: E402
 from lm_engine.models import demo_tasks as tasks  # noqa: E402
 from lm_engine.models import demo_train  # noqa: E402
+from preprocess.grid import smart_resize  # noqa: E402
+
+GLYPH_BINS = (12, 16, 24, 40)  # px: the bins' edges
+BIN_NAMES = ("<12", "12-16", "16-24", "24-40", ">=40")
+
+
+def seen_glyph_height(ex: tasks.Example, min_pixels: int, max_pixels: int) -> float:
+    """The number's ink height (px) in the image the tower sees: its digits' boxes, scaled as the
+    preprocessing resizes the image at ``max_pixels``."""
+    width, height = ex.size
+    seen_height, _ = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    ys = [y for _, box in ex.outlines for _, y in box]
+    return (max(ys) - min(ys)) * seen_height / height
 
 
 def replies(model, enc, cfg, exs, task: str, max_pixels: int) -> list[tuple[bool, str, int]]:
@@ -102,6 +116,14 @@ def main() -> int:
             for ex, (ok, _, _) in zip(by_task["number"], got["number"]):
                 lengths[len(ex.qa["number"])].append(ok)
             print("  number by length:", {k: f"{sum(v)}/{len(v)}" for k, v in sorted(lengths.items())})
+            glyphs: dict[tuple[int, int], list[bool]] = defaultdict(list)
+            for ex, (ok, _, _) in zip(by_task["number"], got["number"]):
+                px = seen_glyph_height(ex, enc.pre.min_pixels, ladder[level])
+                glyphs[len(ex.qa["number"]), sum(px >= edge for edge in GLYPH_BINS)].append(ok)
+            print(
+                "  number by digits and seen glyph height (px):",
+                {f"{n}: {BIN_NAMES[b]}": f"{sum(v)}/{len(v)}" for (n, b), v in sorted(glyphs.items())},
+            )
     return 0
 
 
