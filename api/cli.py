@@ -144,6 +144,12 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="steps between held-out accuracy checks, 0 for none (default: %(default)s)",
     )
     p.add_argument(
+        "--tower-snapshot",
+        metavar="DIR",
+        help="keep the tower phase's result in DIR; a later run with the same phase-1 settings starts the "
+        "second phase from it and writes the same weights (for trying second-phase recipes quickly)",
+    )
+    p.add_argument(
         "--compute-dtype",
         choices=("auto", "bfloat16", "float32"),
         default=t("compute_dtype"),
@@ -179,7 +185,7 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
             print(f"[train-demo] restarting with {env['LD_PRELOAD']} preloaded", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os.execve(sys.executable, argv, env)
-    path = demo_train.train(args.out, train_demo_config(args))
+    path = demo_train.train(args.out, train_demo_config(args), tower_snapshot=args.tower_snapshot)
     print(f"wrote the demo checkpoint to {path}")
     return 0
 

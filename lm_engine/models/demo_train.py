@@ -842,8 +842,12 @@ def lr_at(step: int, cfg: TrainConfig, steps: int | None = None, lr: float | Non
 PURGE_EVERY = 25
 
 
-def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Path:
-    """Train and write the checkpoint directory; returns its path."""
+def train(
+    out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None, tower_snapshot: str | Path | None = None
+) -> Path:
+    """Train and write the checkpoint directory; returns its path. ``tower_snapshot``: a directory that keeps
+    the tower phase's result (``save_tower_phase``); a run whose phase-1 settings match one kept there starts
+    phase 2 from it, and writes the weights the whole run would."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     # NOTE: every batch packs another number of patches, and oneDNN kept a bfloat16 primitive (and its buffers)
     # per shape: a default run grew to 24 GB and was killed by the OOM killer in its last minutes (2026-12-03,
@@ -879,8 +883,15 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
     enc = Encoder(out)
     held_out = tasks.eval_set(cfg.eval_seed, cfg.eval_per_task)
     t0 = time.perf_counter()
+    tower_seconds = None
     if cfg.tower_steps and aux is not None:
-        train_tower(model, aux, opt, out, cfg, log, t0)
+        snapshot = Path(tower_snapshot) if tower_snapshot is not None else None
+        tower_seconds = load_tower_phase(snapshot, cfg, model, aux, opt, log) if snapshot else None
+        if tower_seconds is None:
+            train_tower(model, aux, opt, out, cfg, log, t0)
+            if snapshot:
+                save_tower_phase(snapshot, cfg, model, aux, opt, time.perf_counter() - t0)
+                log(f"[train-demo] kept the tower phase's result in {snapshot}")
     # NOTE: batches are made in this process, between steps (~0.1 s of one core each). A DataLoader worker
     # made them while the step ran, but on two cores it took one from the step's two threads: 60 + 60 steps
     # ran at 20.3 and 6.9 images/s with the worker, 22.0 and 8.5 without (Xeon with AMX).
@@ -918,9 +929,72 @@ def train(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None) -> Pa
         "native_caches": caches,
         "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),
     }
+    if tower_seconds is not None:  # phase 1 came from a snapshot: "seconds" is phase 2's alone
+        meta["tower_phase_from"] = {"snapshot": str(tower_snapshot), "seconds": round(tower_seconds, 1)}
     (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
     return out
+
+
+# The fields phase 1 does not read: a tower phase kept under other values of these is the same phase.
+PHASE2_ONLY = frozenset(
+    (
+        "steps",
+        "batch_images",
+        "lr",
+        "count_weight",
+        "eval_every",
+        "eval_per_task",
+        "eval_fraction",
+        "eval_seed",
+    )
+)
+SNAPSHOT_FILE = "tower_phase.pt"
+
+
+def tower_phase_key(cfg: TrainConfig) -> str:
+    """What a tower phase's result depends on: the config's phase-1 fields, the resolved compute dtype and
+    the torch version (the same CPU is the caller's business: runs are deterministic on one machine)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PHASE2_ONLY}
+    return json.dumps(fields | {"bf16": cfg.bf16(), "torch": torch.__version__}, sort_keys=True)
+
+
+def save_tower_phase(
+    directory: Path, cfg: TrainConfig, model, aux: AuxHeads, opt: torch.optim.Optimizer, seconds: float
+) -> Path:
+    """Keep the tower phase's result (the model's and heads' weights, AdamW's state: its moments carry into
+    phase 2) under ``tower_phase_key``: phase-2 recipe work then skips the phase (most of a run's time)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path, partial = directory / SNAPSHOT_FILE, directory / (SNAPSHOT_FILE + ".partial")
+    state = {
+        "key": tower_phase_key(cfg),
+        "seconds": seconds,
+        "model": model.state_dict(),
+        "aux": aux.state_dict(),
+        "optimizer": opt.state_dict(),
+    }
+    torch.save(state, partial)
+    partial.replace(path)
+    return path
+
+
+def load_tower_phase(
+    directory: Path, cfg: TrainConfig, model, aux: AuxHeads, opt: torch.optim.Optimizer, log
+) -> float | None:
+    """Restore a kept tower phase whose key is ``cfg``'s; returns the seconds it took to train, None (nothing
+    restored) where there is none or it was trained under other phase-1 settings."""
+    path = directory / SNAPSHOT_FILE
+    if not path.is_file():
+        return None
+    state = torch.load(path, weights_only=True)  # tensors, numbers and strings only
+    if state["key"] != tower_phase_key(cfg):
+        log(f"[train-demo] {path} was trained under other phase-1 settings: training the tower phase again")
+        return None
+    model.load_state_dict(state["model"])
+    aux.load_state_dict(state["aux"])
+    opt.load_state_dict(state["optimizer"])
+    log(f"[train-demo] the tower phase from {path} (trained in {state['seconds'] / 60:.1f} min)")
+    return float(state["seconds"])
 
 
 def optimizer_step(

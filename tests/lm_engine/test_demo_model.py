@@ -21,11 +21,16 @@ MAX_NEW = 12
 
 
 def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
-    calls: list[tuple[str, TrainConfig]] = []
-    monkeypatch.setattr(demo_train, "train", lambda out, cfg: calls.append((out, cfg)) or Path(out))
-    out = str(tmp_path / "ckpt")
+    calls: list[tuple[str, TrainConfig, str | None]] = []
+
+    def train(out, cfg, tower_snapshot=None):
+        calls.append((out, cfg, tower_snapshot))
+        return Path(out)
+
+    monkeypatch.setattr(demo_train, "train", train)
+    out, kept = str(tmp_path / "ckpt"), str(tmp_path / "tower")
     flags = ["--seed", "3", "--tower-steps", "9", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
-    flags += ["--compute-dtype", "float32"]
+    flags += ["--compute-dtype", "float32", "--tower-snapshot", kept]
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
     assert calls == [
@@ -34,8 +39,9 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
             TrainConfig(
                 seed=3, tower_steps=9, steps=17, batch_images=5, eval_every=0, compute_dtype="float32"
             ),
+            kept,
         ),
-        (out, TrainConfig()),
+        (out, TrainConfig(), None),
     ]
     with pytest.raises(SystemExit):
         main(["train-demo"])  # --out is required

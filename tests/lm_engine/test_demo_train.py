@@ -55,6 +55,52 @@ def test_fast_tower_computes_transformers_tower(encoder):
         torch.testing.assert_close(f, p, rtol=1e-3, atol=1e-6)
 
 
+def test_a_kept_tower_phase_gives_the_whole_runs_weights(tmp_path, monkeypatch):
+    """A run that keeps its tower phase, and one that starts phase 2 from what was kept (another phase 2
+    length), write to the byte the weights of runs without a snapshot; other phase-1 settings are not served
+    from it."""
+    from safetensors.torch import load_file
+
+    cfg = demo_train.TrainConfig(
+        tower_steps=2, tower_batch_images=2, steps=2, batch_images=2, eval_every=0, eval_per_task=1
+    )
+    other_phase2 = dataclasses.replace(cfg, steps=3, count_weight=2.0)
+    kept, lines = tmp_path / "tower", []
+
+    def weights(name: str, config=cfg, **kw) -> dict[str, torch.Tensor]:
+        return load_file(
+            demo_train.train(tmp_path / name, config, log=lines.append, **kw) / "model.safetensors"
+        )
+
+    plain, plain_other = weights("plain"), weights("plain-other", other_phase2)
+    keeping = weights("keeping", tower_snapshot=kept)
+    assert (kept / demo_train.SNAPSHOT_FILE).is_file()
+
+    def no_tower_phase(*args, **kwargs):
+        raise AssertionError("the tower phase ran again")
+
+    monkeypatch.setattr(demo_train, "train_tower", no_tower_phase)
+    lines.clear()
+    resumed = weights("resumed", other_phase2, tower_snapshot=kept)
+    assert any("the tower phase from" in line for line in lines), lines
+    meta = json.loads((tmp_path / "resumed" / "demo_training.json").read_text())
+    assert meta["tower_phase_from"]["snapshot"] == str(kept)
+    for got, want in ((keeping, plain), (resumed, plain_other)):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not all(torch.equal(plain[k], plain_other[k]) for k in plain)  # phase 2's length mattered
+
+    # another phase-1 setting: the kept phase is not used (the tower phase would run again)
+    for changed in (
+        dataclasses.replace(cfg, tower_count_weight=1.0),
+        dataclasses.replace(cfg, tower_steps=3),
+    ):
+        assert demo_train.tower_phase_key(changed) != demo_train.tower_phase_key(cfg)
+        with pytest.raises(AssertionError, match="ran again"):
+            weights("changed", changed, tower_snapshot=kept)
+    assert demo_train.tower_phase_key(other_phase2) == demo_train.tower_phase_key(cfg)
+
+
 def test_attention_layout_places_every_token_once():
     rng = random.Random(5)
     for _ in range(50):
