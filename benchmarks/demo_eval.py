@@ -15,8 +15,9 @@ misses per true count); describe read 0.755 here against the server's 67.0 %, wh
 max_tokens of 8 cut every "the number NNNN" short; it now refuses a max_tokens an answer does not fit in).
 
 Besides the table it prints what the notes on the recipe use: counts by true count and the direction of the
-errors, numbers by length, and numbers by the digits' height in the pixels the tower sees (after the resize to
-the level's budget): whether a miss is a number too small to read at that budget or one the model misreads.
+errors, and by visual tokens (the same images are counted better at lower budgets), numbers by length, and
+numbers by the digits' height in the pixels the tower sees (after the resize to the level's budget): whether a
+miss is a number too small to read at that budget or one the model misreads.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from preprocess.grid import smart_resize  # noqa: E402
 
 GLYPH_BINS = (12, 16, 24, 40)  # px: the bins' edges
 BIN_NAMES = ("<12", "12-16", "16-24", "24-40", ">=40")
+COUNT_TOKENS = 64  # counts are split at this many visual tokens: more tokens, more misses (2026-12-04)
 
 
 def seen_glyph_height(ex: tasks.Example, min_pixels: int, max_pixels: int) -> float:
@@ -111,6 +113,16 @@ def main() -> int:
                 n, r = int(ex.qa["count"]), reply.strip()
                 table[str(n)]["ok" if ok else "over" if r.isdigit() and int(r) > n else "under/other"] += 1
             print("  count by true count:", {k: dict(v) for k, v in sorted(table.items())})
+            by_tokens: dict[tuple[int, bool], list[bool]] = defaultdict(list)
+            for ex, (ok, _, rows) in zip(by_task["count"], got["count"]):
+                by_tokens[int(ex.qa["count"]), rows > COUNT_TOKENS].append(ok)
+            print(
+                f"  count by true count and visual tokens (<= / > {COUNT_TOKENS}):",
+                {
+                    f"{n} {'>' if many else '<='}": f"{sum(v)}/{len(v)}"
+                    for (n, many), v in sorted(by_tokens.items())
+                },
+            )
         if "number" in got:
             lengths: dict[int, list[bool]] = defaultdict(list)
             for ex, (ok, _, _) in zip(by_task["number"], got["number"]):
