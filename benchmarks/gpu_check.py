@@ -232,22 +232,12 @@ def check_serve() -> None:
     import httpx
 
     from benchmarks.quality_vs_budget import data_url
-    from benchmarks.serve_compare import ServerProcess, free_port
+    from benchmarks.serve_compare import ServerProcess, free_port, vlmserve_here_argv
     from lm_engine.models import demo_tasks as tasks
 
     port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "api.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        DEVICE,
-    ]
+    # no --model: the embedded demo model, as `vlmserve serve` serves by default
+    argv = vlmserve_here_argv(None, port, ["--device", DEVICE])
     log = Path(tempfile.mkdtemp()) / "serve.log"
     # start() raises with the log's tail if the server exits or is not healthy in time: the section fails
     with ServerProcess(f"vlmserve --device {DEVICE}", argv, port, log) as server:

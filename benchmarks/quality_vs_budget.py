@@ -61,7 +61,7 @@ from benchmarks.serve_compare import (  # noqa: E402
     machine,
     results_header,
     settled_metrics,
-    vlmserve_argv,
+    vlmserve_here_argv,
 )
 from benchmarks.visual_budget import level_counts, measured_run, plot_levels, run_table, server_extra  # noqa: E402
 from lm_engine.models import demo_tasks  # noqa: E402
@@ -108,12 +108,6 @@ def how_to_reach(level: int, ladder: list[int]) -> tuple[int, str]:
     if level == len(ladder) - 1:
         return 0, "low"
     return level, "auto"
-
-
-def serve_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
-    """``vlmserve serve`` as this interpreter runs it from the repository root (``python -m api.cli``): the
-    entry-point script of a copied virtual environment may run another checkout's interpreter and code."""
-    return [sys.executable, "-m", "api.cli", *vlmserve_argv(model, port, extra)[1:]]
 
 
 def data_url(ex: Example) -> str:
@@ -345,7 +339,7 @@ def run_accuracy(args: argparse.Namespace, model: Path, label: str, ladder: list
     for pin, levels in by_server.items():
         port = free_port()
         extra = ["--visual-budget", "fixed", "--visual-level", str(pin), *args.vlmserve_arg]
-        argv = serve_argv(model, port, extra)
+        argv = vlmserve_here_argv(model, port, extra)
         with ServerProcess(
             f"vlmserve --visual-level {pin}", argv, port, LOG_DIR / f"accuracy-L{pin}.log"
         ) as srv:
@@ -506,7 +500,7 @@ def calibrate(args: argparse.Namespace, model: Path, items: list) -> dict:
     """Closed loop at --calib-clients on a fixed-budget server: completed requests per second."""
     trace, store = task_trace(items, args.max_tokens, args.seed + 2)
     port = free_port()
-    argv = serve_argv(model, port, server_extra(args, "fixed"))
+    argv = vlmserve_here_argv(model, port, server_extra(args, "fixed"))
     mode = load.LoadMode(concurrency=args.calib_clients, request_timeout_s=args.request_timeout_s)
     with ServerProcess("vlmserve calibration", argv, port, LOG_DIR / "calibration.log") as server:
         server.start(args.startup_timeout_s)
@@ -556,7 +550,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
     results, summaries, recs = [], [], {}
     for budget in args.budgets:
         port = free_port()
-        argv = serve_argv(model, port, server_extra(args, budget))
+        argv = vlmserve_here_argv(model, port, server_extra(args, budget))
         with ServerProcess(f"vlmserve {budget}", argv, port, LOG_DIR / f"overload-{budget}.log") as server:
             server.start(args.startup_timeout_s)
             with CpuMeter(server.pgid) as meter:

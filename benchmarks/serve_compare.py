@@ -288,12 +288,12 @@ class ServerProcess:
         self.stop()
 
 
-def vlmserve_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+def vlmserve_argv(model: Path | None, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """The venv's ``vlmserve serve`` on loopback; ``model`` None: the embedded demo model (no ``--model``)."""
     return [
         str(VENV_BIN / "vlmserve"),
         "serve",
-        "--model",
-        str(model),
+        *(["--model", str(model)] if model is not None else []),
         "--host",
         "127.0.0.1",
         "--port",
@@ -302,6 +302,13 @@ def vlmserve_argv(model: Path, port: int, extra: Sequence[str] = ()) -> list[str
         "warning",
         *extra,
     ]
+
+
+def vlmserve_here_argv(model: Path | None, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """``vlmserve_argv`` as this interpreter runs it from the repository root (``python -m api.cli``): a copied
+    virtual environment's entry-point script may run another checkout's interpreter and code, and a benchmark
+    must measure the code it sits beside."""
+    return [sys.executable, "-m", "api.cli", *vlmserve_argv(model, port, extra)[1:]]
 
 
 def matching_dtype(model: Path) -> str:

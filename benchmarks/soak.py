@@ -513,9 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = serve_compare.ensure_checkpoint(args.preset, 0, args.model)
     port = serve_compare.free_port()
     env = dict(kv.split("=", 1) for kv in args.env)
-    # NOTE: this interpreter with `-m api.cli`, not the venv's `vlmserve` script: a copied venv's script may
-    # name another checkout's interpreter, and the soak must measure the code it sits beside.
-    argv = [sys.executable, "-m", "api.cli", *serve_compare.vlmserve_argv(model, port)[1:]]
+    argv = serve_compare.vlmserve_here_argv(model, port)
     argv += ["--served-model-name", "soak", *args.server_args]
     title = f"soak: {args.mix}, {args.concurrency} clients, max_tokens {args.max_tokens}, {model.name} {' '.join(args.env)} {' '.join(args.server_args)}"
     log = ROOT / "benchmarks" / "out" / f"soak-{args.mix}-{args.label or args.preset}.log"
