@@ -109,13 +109,12 @@ def main() -> int:
         )
         if "count" in got:
             table: dict[str, Counter] = defaultdict(Counter)
-            for ex, (ok, reply, _) in zip(by_task["count"], got["count"]):
+            by_tokens: dict[tuple[int, bool], list[bool]] = defaultdict(list)
+            for ex, (ok, reply, rows) in zip(by_task["count"], got["count"]):
                 n, r = int(ex.qa["count"]), reply.strip()
                 table[str(n)]["ok" if ok else "over" if r.isdigit() and int(r) > n else "under/other"] += 1
+                by_tokens[n, rows > COUNT_TOKENS].append(ok)
             print("  count by true count:", {k: dict(v) for k, v in sorted(table.items())})
-            by_tokens: dict[tuple[int, bool], list[bool]] = defaultdict(list)
-            for ex, (ok, _, rows) in zip(by_task["count"], got["count"]):
-                by_tokens[int(ex.qa["count"]), rows > COUNT_TOKENS].append(ok)
             print(
                 f"  count by true count and visual tokens (<= / > {COUNT_TOKENS}):",
                 {
@@ -125,13 +124,12 @@ def main() -> int:
             )
         if "number" in got:
             lengths: dict[int, list[bool]] = defaultdict(list)
-            for ex, (ok, _, _) in zip(by_task["number"], got["number"]):
-                lengths[len(ex.qa["number"])].append(ok)
-            print("  number by length:", {k: f"{sum(v)}/{len(v)}" for k, v in sorted(lengths.items())})
             glyphs: dict[tuple[int, int], list[bool]] = defaultdict(list)
             for ex, (ok, _, _) in zip(by_task["number"], got["number"]):
                 px = seen_glyph_height(ex, enc.pre.min_pixels, ladder[level])
+                lengths[len(ex.qa["number"])].append(ok)
                 glyphs[len(ex.qa["number"]), sum(px >= edge for edge in GLYPH_BINS)].append(ok)
+            print("  number by length:", {k: f"{sum(v)}/{len(v)}" for k, v in sorted(lengths.items())})
             print(
                 "  number by digits and seen glyph height (px):",
                 {f"{n}: {BIN_NAMES[b]}": f"{sum(v)}/{len(v)}" for (n, b), v in sorted(glyphs.items())},
