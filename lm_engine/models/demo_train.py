@@ -32,7 +32,7 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +101,8 @@ class TrainConfig:
     # the shipped model's recipe (2026-12-04).
     tower_count_weight: float = 2.0
     count_weight: float = 1.0
+    # phase 2: the weight of the supervised pointer (``pointer_loss``; 0 for none)
+    pointer_weight: float = 0.0
     eval_every: int = 400
     eval_per_task: int = 40
     eval_fraction: float = 1.0  # the held-out check's budget, as a fraction of max_pixels
@@ -206,7 +208,10 @@ def make_batch(
     labels = torch.full(shape, -100, dtype=torch.long)
     label_seq = torch.full(shape, -1, dtype=torch.long)
     seq = 0
+    pointer: list[tuple[int, int, int, int, float]] = []  # (row, query, key, head, weight)
     for row, (prefix, blocks) in enumerate(rows):
+        sink = prefix.index(enc.ids["<|vision_start|>"])
+        looks = [pointer_targets(enc, examples[row], grids[row], answer, sink) for _, answer in blocks]
         ids[row, : len(prefix)] = torch.tensor(prefix)
         block[row, : len(prefix)] = 0
         start = len(prefix)
@@ -218,6 +223,8 @@ def make_batch(
             # position t predicts token t+1: the answer's tokens are predicted from the positions before them
             labels[row, end - len(answer) - 1 : end - 1] = torch.tensor(answer)
             label_seq[row, end - len(answer) - 1 : end - 1] = seq
+            first = end - len(answer) - 1  # the position predicting the answer's first token
+            pointer.extend((row, first + j, key, head, w) for j, key, head, w in looks[k - 1])
             start, seq = end, seq + 1
     return tower | {
         "input_ids": ids,
@@ -226,7 +233,59 @@ def make_batch(
         "labels": labels,
         "label_seq": label_seq,
         "sequences": seq,
+        "pointer": {
+            name: torch.tensor(
+                [t[i] for t in pointer], dtype=torch.float32 if name == "weight" else torch.long
+            )
+            for i, name in enumerate(("row", "query", "key", "head", "weight"))
+        },
     }
+
+
+# The decoder's supervised pointer (``TrainConfig.pointer_weight``): two heads of one layer are taught where to
+# look while an answer token is predicted. Heads 0 and 2 use different key/value heads (GQA: 4 heads, 2 kv).
+POINTER_LAYER, DIGIT_HEAD, COUNT_HEAD = 2, 0, 2
+
+
+def pointer_targets(
+    enc: Encoder, ex: tasks.Example, grid, answer: list[int], sink: int
+) -> list[tuple[int, int, int, float]]:
+    """Where the pointer heads should look while each answer token is predicted: (the token's index in
+    ``answer``, key position in the row, head, weight), one query's weights summing to 1. ``sink``: the
+    position of ``<|vision_start|>``, the image's merged tokens follow it row-major.
+
+    - the k-th digit of a number (the answer, or inside "the number 4071"): the merged token holding that
+      digit's centre (``token_slots``' place k), on ``DIGIT_HEAD``; the end of the number: the sink (nothing
+      left to read);
+    - a count (the answer, or "3 shapes"): each shape's centre token and the sink, 1/(n+1) each, on
+      ``COUNT_HEAD``: the weight left on the sink says how many there are, whatever the number of tokens.
+
+    Why: taught forcing on the shipped model (2026-12-05), most misread 4-digit numbers repeat the digit
+    before (4379 read 4339, 5504 as 5544, 9798 as 9788; places 3 and 4 wrong 19 and 16 times of 46, place 1
+    4 times): the decoder finds a number's digits but not which one comes next."""
+    _, gh, gw = grid
+    rows, cols = gh // 2, gw // 2
+    digit_ids = {enc.tok.token_to_id(d) for d in "0123456789"}
+    at = [j for j, t in enumerate(answer) if t in digit_ids]
+    if not at:
+        return []
+    out: list[tuple[int, int, int, float]] = []
+    if ex.kind in ("number", "numbers"):
+        slots = token_slots(ex, rows, cols)
+        for place, j in enumerate(at[:SLOTS]):
+            where = torch.nonzero(slots[:, place] != NO_DIGIT).flatten()
+            if len(where):
+                out.extend((j, sink + 1 + int(t), DIGIT_HEAD, 1.0 / len(where)) for t in where)
+        after = at[-1] + 1
+        if after < len(answer) and answer[after] == enc.end:
+            out.append((after, sink, DIGIT_HEAD, 1.0))
+    elif "count" in ex.qa and answer[at[0]] == enc.tok.token_to_id(ex.qa["count"]):
+        n = len(ex.objects)
+        cells = [cell_of(x, y, ex.size, rows, cols) for x, y, _ in ex.objects]
+        out.append((at[0], sink, COUNT_HEAD, 1.0 / (n + 1)))
+        for (r, c), times in sorted(Counter(cells).items()):
+            out.append((at[0], sink + 1 + r * cols + c, COUNT_HEAD, times / (n + 1)))
+    return out
 
 
 def block_mask(block: torch.Tensor) -> torch.Tensor:
@@ -729,10 +788,13 @@ def encode_images(
     return feats, pooled, {"patch": vision.last_hidden_state, "token": torch.cat(feats)}
 
 
-def answer_logits(model, batch: dict, feats: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def answer_logits(
+    model, batch: dict, feats: tuple[torch.Tensor, ...], seen: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder over a batch's rows (make_batch) with their images' merged tokens ``feats`` in place:
     (float32 logits at the positions that predict an answer token [A, vocab], in row-major order, and where
-    those are [rows, length] bool)."""
+    those are [rows, length] bool). ``seen``, where given, receives the pointer layer's attention inputs
+    (``pointer_loss``) and the mask."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ids, block = batch["input_ids"], batch["block"]
@@ -751,26 +813,66 @@ def answer_logits(model, batch: dict, feats: tuple[torch.Tensor, ...]) -> tuple[
     positions = (after[:, None] + batch["offset"]).masked_fill(block < 0, 0).expand(3, -1, -1).clone()
     positions[:, :, :width] = torch.where(prefix[None, :, :width], head, positions[:, :, :width])
     mask = block_mask(block)
-    out = model.model(
-        input_ids=ids,
-        attention_mask={"full_attention": mask, "sliding_attention": mask},
-        position_ids=positions,
-        image_grid_thw=batch["grid_thw"],
-        mm_token_type_ids=mm,
-        mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))},
-        use_cache=False,
-    )
+    hook = None
+    if seen is not None:
+        seen["mask"] = mask
+
+        def keep(module, args, kwargs):
+            seen["hidden"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            seen["rope"] = kwargs["position_embeddings"]
+
+        attention = model.model.language_model.layers[POINTER_LAYER].self_attn
+        hook = attention.register_forward_pre_hook(keep, with_kwargs=True)
+    try:
+        out = model.model(
+            input_ids=ids,
+            attention_mask={"full_attention": mask, "sliding_attention": mask},
+            position_ids=positions,
+            image_grid_thw=batch["grid_thw"],
+            mm_token_type_ids=mm,
+            mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=tuple(feats))},
+            use_cache=False,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
     where = batch["labels"] != -100
     return model.lm_head(out.last_hidden_state[where]).float(), where
 
 
+def pointer_loss(model, seen: dict, pointer: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cross-entropy of the pointer heads' attention (``POINTER_LAYER``, recomputed from its inputs in
+    ``seen``) against ``make_batch``'s targets, averaged over the queries that have one."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+
+    if len(pointer["row"]) == 0:
+        return seen["hidden"].new_zeros((), dtype=torch.float32)
+    attention = model.model.language_model.layers[POINTER_LAYER].self_attn
+    hidden, (cos, sin) = seen["hidden"], seen["rope"]
+    rows, length, _ = hidden.shape
+    d = attention.head_dim
+    q = attention.q_proj(hidden).view(rows, length, -1, d).transpose(1, 2)
+    k = attention.k_proj(hidden).view(rows, length, -1, d).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    groups = q.shape[1] // k.shape[1]
+    # one score row per (row, query, head) that has a target
+    queries = torch.stack((pointer["row"], pointer["query"], pointer["head"]), dim=1)
+    unique, which = torch.unique(queries, dim=0, return_inverse=True)
+    r, t, h = unique.unbind(1)
+    scores = torch.einsum("nd,nld->nl", q[r, h, t], k[r, h // groups]).float() * attention.scaling
+    scores = scores.masked_fill(~seen["mask"][r, 0, t], float("-inf"))
+    logp = torch.log_softmax(scores, dim=-1)[which, pointer["key"]]
+    return -(pointer["weight"] * logp).sum() / len(unique)
+
+
 def forward(
-    model, batch: dict, aux: AuxHeads | None = None, count_weight: float = 1.0
+    model, batch: dict, aux: AuxHeads | None = None, count_weight: float = 1.0, pointer_weight: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean loss, per-sequence exact match [S] bool); with ``aux`` the loss adds the auxiliary heads' loss
-    (its count head's weighted by ``count_weight``)."""
+    (its count head's weighted by ``count_weight``) and the pointer's (``pointer_loss``) by ``pointer_weight``."""
     feats, pooled, dense = encode_images(model, batch)
-    logits, where = answer_logits(model, batch, feats)
+    seen = {} if aux is not None and pointer_weight else None
+    logits, where = answer_logits(model, batch, feats, seen)
     target = batch["labels"][where]
     loss = torch.nn.functional.cross_entropy(logits, target)
     misses = (logits.argmax(-1) != target).long()
@@ -780,6 +882,8 @@ def forward(
     )
     if aux is not None:
         loss = loss + aux.loss(pooled, dense, batch["aux"], count_weight)
+    if seen is not None:
+        loss = loss + pointer_weight * pointer_loss(model, seen, batch["pointer"])
     return loss, exact
 
 
@@ -911,7 +1015,7 @@ def train(
     recent: list[tuple[float, float]] = []
     for step, batch in enumerate(loader):
         with cfg.autocast():
-            loss, exact = forward(model, batch, aux, cfg.count_weight)
+            loss, exact = forward(model, batch, aux, cfg.count_weight, cfg.pointer_weight)
         optimizer_step(opt, [p for _, p in named], loss, lr_at(step, cfg), cfg.grad_clip)
         if step % PURGE_EVERY == PURGE_EVERY - 1:
             release_free_pages()
@@ -953,6 +1057,7 @@ PHASE2_ONLY = frozenset(
         "batch_images",
         "lr",
         "count_weight",
+        "pointer_weight",
         "eval_every",
         "eval_per_task",
         "eval_fraction",
