@@ -245,6 +245,10 @@ def make_batch(
 # The decoder's supervised pointer (``TrainConfig.pointer_weight``): two heads of one layer are taught where to
 # look while an answer token is predicted. Heads 0 and 2 use different key/value heads (GQA: 4 heads, 2 kv).
 POINTER_LAYER, DIGIT_HEAD, COUNT_HEAD = 2, 0, 2
+# A count's target puts this many shapes' worth of weight on the sink: m / (m + n) there, 1 / (m + n) on each
+# shape's centre. The sink's weight changes fastest with n where m is near n: m = 1 tells 5 from 6 shapes by
+# 1/6 - 1/7 = 0.024 of the weight, m = 4 by 4/9 - 4/10 = 0.044.
+COUNT_SINK_MASS = 1.0
 
 
 def pointer_targets(
@@ -257,8 +261,9 @@ def pointer_targets(
     - the k-th digit of a number (the answer, or inside "the number 4071"): the merged token holding that
       digit's centre (``token_slots``' place k), on ``DIGIT_HEAD``; the end of the number: the sink (nothing
       left to read);
-    - a count (the answer, or "3 shapes"): each shape's centre token and the sink, 1/(n+1) each, on
-      ``COUNT_HEAD``: the weight left on the sink says how many there are, whatever the number of tokens.
+    - a count (the answer, or "3 shapes"): each shape's centre token and the sink, 1/(n+1) each
+      (``COUNT_SINK_MASS`` 1), on ``COUNT_HEAD``: the weight left on the sink says how many there are,
+      whatever the number of tokens.
 
     Why: taught forcing on the shipped model (2026-12-05), most misread 4-digit numbers repeat the digit
     before (4379 read 4339, 5504 as 5544, 9798 as 9788; places 3 and 4 wrong 19 and 16 times of 46, place 1
@@ -282,9 +287,10 @@ def pointer_targets(
     elif "count" in ex.qa and answer[at[0]] == enc.tok.token_to_id(ex.qa["count"]):
         n = len(ex.objects)
         cells = [cell_of(x, y, ex.size, rows, cols) for x, y, _ in ex.objects]
-        out.append((at[0], sink, COUNT_HEAD, 1.0 / (n + 1)))
+        total = n + COUNT_SINK_MASS
+        out.append((at[0], sink, COUNT_HEAD, COUNT_SINK_MASS / total))
         for (r, c), times in sorted(Counter(cells).items()):
-            out.append((at[0], sink + 1 + r * cols + c, COUNT_HEAD, times / (n + 1)))
+            out.append((at[0], sink + 1 + r * cols + c, COUNT_HEAD, times / total))
     return out
 
 

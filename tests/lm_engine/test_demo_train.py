@@ -269,16 +269,18 @@ def _pointers(batch: dict) -> list[tuple[int, int, int, int, float]]:
     return list(zip(*(p[k].tolist() for k in ("row", "query", "key", "head", "weight"))))
 
 
-def test_pointer_targets_follow_the_digits_left_to_right_and_the_shapes(encoder):
+@pytest.mark.parametrize("sink_mass", [1.0, 4.0])
+def test_pointer_targets_follow_the_digits_left_to_right_and_the_shapes(encoder, monkeypatch, sink_mass):
     """Checked against the task set's own geometry (each object's centre in the original image, mapped to the
     merged grid the preprocessing produced) and the batch's own labels and ids: on the digit head, the query
     predicting the k-th digit looks at the token under the k-th digit from the left, the one predicting the
-    end of the turn at <|vision_start|>; on the count head, the count's query spreads 1/(n+1) over the sink
-    and each shape's centre token. Both questions of an image carry them: "4071" and "the number 4071",
+    end of the turn at <|vision_start|>; on the count head, the count's query puts m/(m+n) on the sink and
+    1/(m+n) on each shape's centre token (m: COUNT_SINK_MASS). Both questions of an image carry them: "4071" and "the number 4071",
     "3" and "3 shapes"."""
     pool = (tasks.sample(5, i, "number") for i in range(40))
     numbers = [ex for ex in pool if len(ex.qa["number"]) >= 3][:2]
     examples = numbers + [tasks.sample(5, i, "many") for i in range(2)]
+    monkeypatch.setattr(demo_train, "COUNT_SINK_MASS", sink_mass)
     batch = make_batch(encoder, examples, [encoder.pre.max_pixels] * len(examples))
     ids, labels = batch["input_ids"], batch["labels"]
     digit_of = {encoder.tok.token_to_id(d): d for d in "0123456789"}
@@ -317,9 +319,9 @@ def test_pointer_targets_follow_the_digits_left_to_right_and_the_shapes(encoder)
             assert head == demo_train.COUNT_HEAD and ex.kind == "many"
             n = len(ex.objects)
             assert digit_of[label] == str(n)
-            want: dict[int, float] = {sink: 1 / (n + 1)}
+            want: dict[int, float] = {sink: sink_mass / (sink_mass + n)}
             for x, y, _ in ex.objects:
-                want[sink + 1 + cell(x, y)] = want.get(sink + 1 + cell(x, y), 0.0) + 1 / (n + 1)
+                want[sink + 1 + cell(x, y)] = want.get(sink + 1 + cell(x, y), 0.0) + 1 / (sink_mass + n)
             assert dict(looks) == pytest.approx(want)
             assert all(int(ids[row, k]) == encoder.image_pad for k in want if k != sink)
             checked["count"] += 1
