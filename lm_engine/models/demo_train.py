@@ -153,6 +153,7 @@ class Encoder:
         self.ids = token_ids(PRESET)
         self.image_pad = self.ids["<|image_pad|>"]
         self.end = self.ids["<|im_end|>"]
+        self.digit_ids = {self.tok.token_to_id(d) for d in "0123456789"}
 
     def prefix(self, n_image_tokens: int) -> list[int]:
         """The prompt up to the image's end: what every question about one image shares."""
@@ -282,8 +283,7 @@ def pointer_targets(
     4 times): the decoder finds a number's digits but not which one comes next."""
     _, gh, gw = grid
     rows, cols = gh // 2, gw // 2
-    digit_ids = {enc.tok.token_to_id(d) for d in "0123456789"}
-    at = [j for j, t in enumerate(answer) if t in digit_ids]
+    at = [j for j, t in enumerate(answer) if t in enc.digit_ids]
     if not at:
         return []
     out: list[tuple[int, int, int, float]] = []
