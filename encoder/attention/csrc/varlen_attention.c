@@ -666,16 +666,22 @@ static void amx_config(void) {
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int i = 0; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
-    _tile_loadconfig(&c);
+    /* NOTE: not _tile_loadconfig: GCC 12's declares a memory operand of 8 bytes, so where amx_config is inlined
+     * the stores to the rest of the 64-byte configuration can go as dead (a bench built from this file got
+     * zero column widths and ldtilecfg faulted). This operand is all of it. */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 
-/* Accumulator c: Oᵀ of dims [16 dt, 16 dt + 16) of the tile at Ot += vᵀ · P (a: a free A tile; `two`: keys 32-63
- * are real). */
+/* Accumulator c: Oᵀ of dims [16 dt, 16 dt + 16) of the tile at Ot += vᵀ · P, or = on the tile's first block
+ * (`fresh`: Ot is not read, so it needs no zeroing) (a: a free A tile; `two`: keys 32-63 are real). */
 #define PV_TILE(c, a, dt)                                                                                      \
     do {                                                                                                       \
         float *o_ = Ot + (dt) * 16 * TR;                                                                       \
         const uint16_t *v_ = vb + (dt) * 16 * KB;                                                              \
-        _tile_loadd(c, o_, 64);                                                                                \
+        if (fresh)                                                                                             \
+            _tile_zero(c);                                                                                     \
+        else                                                                                                   \
+            _tile_loadd(c, o_, 64);                                                                            \
         _tile_loadd(a, v_, KB * 2);                                                                            \
         _tile_dpbf16ps(c, a, 6);                                                                               \
         if (two) {                                                                                             \
@@ -706,9 +712,10 @@ static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, int64_t dq
 
 /* One step of the AMX path: the scores of 16 query rows (q's tile qt) against the 64 keys at kb, the online
  * softmax over the first kv of them (`valid`: causal masks, or NULL), and their accumulators Ot [dim][16 rows]
- * moved on with vᵀ's 64-key block vb. */
+ * moved on with vᵀ's 64-key block vb (`fresh`: the tile's first block; Ot is written, not read). */
 static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16_t *vb, int64_t d, int64_t dq,
-                            int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l, float *Ot) {
+                            int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l, float *Ot,
+                            int fresh) {
     __m512 S[KB];
     __m512i P[KB / 2];
     const int64_t two = kv > 32;
@@ -719,7 +726,8 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
     _tile_stored(3, S + 48, 64);
     const __m512 corr = softmax_tile(S, kv, valid, scale2, m, l, P);
     for (int64_t p = (kv + 1) / 2; p < KB / 2; p++) P[p] = _mm512_setzero_si512(); /* keys past kv */
-    if (_mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ)) /* no row's max moved: no rescaling */
+    /* no rescaling where no row's max moved, nor on the first block (the accumulators start from zero tiles) */
+    if (!fresh && _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
         for (int64_t e = 0; e < d; e++) _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
     _tile_loadd(6, P, 64);
     if (two) _tile_loadd(7, P + 16, 64);
@@ -740,9 +748,8 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
-    float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows] */
+    float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows], from the first block */
     __m512 m[QB / TR], l[QB / TR];
-    memset(Ots, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
     amx_config();
     const uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
@@ -750,7 +757,7 @@ static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, in
         const int64_t kv = len - k0 < KB ? len - k0 : KB;
         for (int64_t t = 0; t < tiles; t++)
             amx_step(qp + (base + r0 + t * TR) * dq, kp + (base + k0) * dq, vp + (base + k0) * d, d, dq, kv, NULL,
-                     j->scale2, m + t, l + t, Ots + t * d * TR);
+                     j->scale2, m + t, l + t, Ots + t * d * TR, k0 == 0);
     }
     _tile_release();
     const int64_t stride = j->heads * d;
@@ -1587,9 +1594,8 @@ static void causal_unit_amx(job_t *jb, int64_t u) {
     float Ots[(QB / TR) * MAX_D * TR] __attribute__((aligned(64)));
     __m512 m[QB / TR], l[QB / TR];
     __mmask16 valid[KB];
-    memset(Ots, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
-    amx_config();
+    amx_config(); /* each tile's accumulators are written on its first block (k0 = 0), not zeroed here */
     const uint16_t *kt = j->kp + g * j->pk * dq, *vt = j->vp + g * j->pk * d;
     const int64_t kend = pos0 + rows; /* keys the unit's last row sees */
     for (int64_t k0 = 0; k0 < kend; k0 += KB) { /* k0 + 64 <= pk: all four key tiles of a block exist */
@@ -1605,7 +1611,7 @@ static void causal_unit_amx(job_t *jb, int64_t u) {
                     valid[i] = skip <= 0 ? (__mmask16)0xffff : (__mmask16)(0xffffu << skip);
                 }
             amx_step(j->qp + (h * j->pq + r0 + t * TR) * dq, kt + k0 * dq, vt + k0 * d, d, dq, kv,
-                     diagonal ? valid : NULL, jb->scale2, m + t, l + t, Ots + t * d * TR);
+                     diagonal ? valid : NULL, jb->scale2, m + t, l + t, Ots + t * d * TR, k0 == 0);
         }
     }
     _tile_release();
