@@ -1,0 +1,72 @@
+"""The AMX attention step taken apart (``csrc/amx_step.c``): nanoseconds per 16-row × 64-key step of the
+varlen kernel's AMX path, whole and by part, on L1/L2-resident data, one thread.
+
+    .venv/bin/python benchmarks/amx_step.py              # best of 300 passes per part
+    .venv/bin/python benchmarks/amx_step.py --reps 1000
+
+Which part of a step the time goes to, and whether the tile unit's work overlaps the vector units' (the
+``products, then softmax`` row against the sum of ``products`` and ``softmax``). Where the CPU has no AMX
+tiles it says so and exits. The bench is built from the kernel's source as it is in this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from preprocess.native import load_library  # noqa: E402
+
+KERNEL = ROOT / "encoder" / "attention" / "csrc" / "varlen_attention.c"
+BENCH = Path(__file__).parent / "csrc" / "amx_step.c"
+PARTS = {
+    0: "whole step (amx_step)",
+    1: "scores + their tile stores",
+    2: "online softmax of the block",
+    3: "P·V, accumulators loaded and stored",
+    4: "16 tile products alone",
+    5: "16 tile loads of k and v",
+    6: "products (4), then softmax (2)",
+}
+
+
+def build() -> ctypes.CDLL | None:
+    """The kernel's source with the bench appended, as one file (its cache key covers both)."""
+    out = ROOT / "benchmarks" / "out" / "amx_step"
+    out.mkdir(parents=True, exist_ok=True)
+    source = out / "amx_step_bench.c"
+    source.write_text(KERNEL.read_text() + "\n" + BENCH.read_text())
+    lib = load_library(source, openmp=True)
+    if lib is not None:
+        lib.vlm_amx_step_ns.restype = ctypes.c_double
+        lib.vlm_amx_step_ns.argtypes = [ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def main() -> None:
+    from benchmarks.encoder_throughput import cpu_flags
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=300)
+    args = p.parse_args()
+    print(f"CPU flags: {cpu_flags()}")
+    lib = build()
+    if lib is None:
+        sys.exit("no C compiler: nothing to measure")
+    ns = {part: lib.vlm_amx_step_ns(part, args.reps) for part in PARTS}
+    if ns[0] < 0:
+        sys.exit("no AMX tiles here (CPU, build or the kernel's grant): nothing to measure")
+    for part, name in PARTS.items():
+        print(f"{name:40s} {ns[part]:7.1f} ns")
+    print(
+        f"products + softmax measured apart: {ns[4] + ns[2]:.1f} ns; one after the other: {ns[6]:.1f} ns "
+        f"({'no overlap' if ns[6] > 0.9 * (ns[4] + ns[2]) else 'they overlap'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
