@@ -52,7 +52,10 @@ def test_serve_loads_the_shipped_checkpoint_within_the_issue_bounds(monkeypatch)
     assert config["model_type"] == "qwen2_vl"
     # what train-demo recorded about the run that wrote it
     meta = json.loads((demo.SHIPPED / "demo_training.json").read_text())
-    assert meta["seconds"] <= 45 * 60
+    # a run whose first phase came from a kept snapshot (--tower-snapshot) records the second phase's time
+    # alone and the first phase's under "tower_phase_from": the bound is on both together
+    tower = meta.get("tower_phase_from", {}).get("seconds", 0.0)
+    assert meta["seconds"] + tower <= 45 * 60
 
 
 def test_fixed_images_are_answered_correctly(fixed):
