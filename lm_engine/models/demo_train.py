@@ -114,6 +114,12 @@ class TrainConfig:
     # 85 %, number 80 %) are still not met, and most 4-digit misses left are glyphs under 24 px or digits
     # read as the one before (8459 -> 8433). Shipping it means a whole run at weight 1 and
     # quality_vs_budget through the server (this default then becomes 1).
+    # NOTE: not replicated on a 2-vCPU Emerald Rapids Xeon with AMX (2026-12-05), from one kept tower phase
+    # whose default phase 2 wrote the shipped weights to the byte (so the same tower phase the shipped model
+    # has), same eval: weight 0 (the shipped model) 74.0 / 74.5 / 83.0 %; weight 1 70.0 / 74.0 / 79.5 % (a
+    # whole run, 42.1 min); weight 1 with POINTER_LAYER 1 75.0 / 71.5 / 77.0 %. The Zen 4 gain is inside the
+    # recipe's spread from one tower phase to another (count 70.5 against 74.0 % at weight 0 on the two
+    # machines): off it stays.
     pointer_weight: float = 0.0
     eval_every: int = 400
     eval_per_task: int = 40
