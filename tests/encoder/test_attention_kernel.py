@@ -96,6 +96,27 @@ def test_amx_is_as_close_to_float32_as_torch_bf16(lengths, heads, d):
     torch.testing.assert_close(got.float(), dots.float(), atol=1e-2, rtol=1.6e-2)
 
 
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
+def test_bfloat16_weights_sum_to_one(amx):
+    """Every value 1: softmax weights that sum to 1 give 1 in every output, as torch's bf16 attention does. P is
+    rounded to bfloat16 by truncation, which alone would take ~0.3 % off the weights (a bfloat16 step below 1
+    in most rows); the kernel centres it, and the mean output must stay within 5e-4 of 1."""
+    if not amx and cpu_kernel.isa(LIB) != "avx512-bf16":
+        pytest.skip("the bf16 dot products are what round P; this build computes P in float32")
+    qkv, cos, sin, seg = case([1000, 64, 300, 3], 4, 64, torch.float32, seed=5)
+    qkv[:, 2] = 1.0
+    qkv = qkv.to(torch.bfloat16)
+    torch_bf16 = TorchAttention()(qkv, cos, sin, seg, 64**-0.5).float()
+    got = KernelAttention(LIB, amx=amx)(qkv, cos, sin, seg, 64**-0.5).float()
+    assert (torch_bf16 - 1).abs().mean() <= 5e-4  # the oracle: sums to one, then rounded
+    assert (got - 1).mean().abs() <= 5e-4, (got.mean(), (got < 1).float().mean())
+    # causal prefill: the same, through vlm_causal_attention
+    if cpu_kernel.causal_supported(LIB, qkv[:, 0]):
+        q, k = qkv[:1000, 0], qkv[:1000, 1]
+        out = cpu_kernel.causal_attention(LIB, q, k, torch.ones_like(k), 64**-0.5, amx=amx).float()
+        assert (out - 1).mean().abs() <= 5e-4, (out.mean(), (out < 1).float().mean())
+
+
 @needs_amx
 def test_amx_threads_do_not_change_the_result_and_float32_is_refused():
     qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 80, torch.bfloat16, seed=6)
