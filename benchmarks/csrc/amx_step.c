@@ -25,6 +25,18 @@ static uint16_t bench_bits(float x) {
     return (uint16_t)(u >> 16);
 }
 
+#if HAVE_AMX
+/* parts 4 and 6: sixteen tile products, four chained on each of four accumulators, on whatever the tiles hold */
+static inline void products16(void) {
+    for (int r = 0; r < 4; r++) {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+#endif
+
 /* nanoseconds per 16 × 64 step of `part`, the best of `reps` passes over 1,024 keys × 4 row tiles; -1 where
  * this build or process has no AMX tiles */
 double vlm_amx_step_ns(int part, int reps) {
@@ -61,13 +73,7 @@ double vlm_amx_step_ns(int part, int reps) {
                     _tile_stored(2, S + 32, 64);
                     _tile_stored(3, S + 48, 64);
                 } else if (part == 2 || part == 6) {
-                    if (part == 6)
-                        for (int r = 0; r < 4; r++) {
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 5, 6);
-                            _tile_dpbf16ps(2, 4, 7);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
+                    if (part == 6) products16();
                     softmax_tile(S, KB, NULL, 0.18f, m + t, l + t, P);
                 } else if (part == 3) {
                     float *o = Ot[t];
@@ -81,12 +87,7 @@ double vlm_amx_step_ns(int part, int reps) {
                     PV_TILE(3, 5, 3);
 #undef Ot
                 } else if (part == 4) {
-                    for (int r = 0; r < 4; r++) {
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(1, 5, 6);
-                        _tile_dpbf16ps(2, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
+                    products16();
                 } else if (part == 5) {
                     for (int r = 0; r < 4; r++) {
                         _tile_loadd(4, kb + r * 16 * dq, dq * 2);
