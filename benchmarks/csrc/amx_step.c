@@ -65,7 +65,7 @@ double vlm_amx_step_ns(int part, int reps) {
             for (int t = 0; t < 4; t++) {
                 const uint16_t *kb = k + k0 * dq, *vb = v + k0 * d;
                 if (part == 0) {
-                    amx_step(q, kb, vb, d, dq, KB, NULL, 0.18f, m + t, l + t, Ot[t], k0 == 0);
+                    amx_step(q, kb, vb, d, dq, KB, NULL, 0.18f, m + t, l + t, Ot[t], k0 == 0, k0 > 0);
                 } else if (part == 1) {
                     amx_scores(q, kb, dq);
                     _tile_stored(0, S, 64);
@@ -74,7 +74,7 @@ double vlm_amx_step_ns(int part, int reps) {
                     _tile_stored(3, S + 48, 64);
                 } else if (part == 2 || part == 6) {
                     if (part == 6) products16();
-                    softmax_tile(S, KB, NULL, 0.18f, m + t, l + t, P);
+                    softmax_tile(S, KB, NULL, 0.18f, m + t, l + t, P, k0 > 0);
                 } else if (part == 3) {
                     float *o = Ot[t];
                     const int two = 1, fresh = 0;

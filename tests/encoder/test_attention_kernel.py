@@ -117,6 +117,53 @@ def test_bfloat16_weights_sum_to_one(amx):
         assert (out - 1).mean().abs() <= 5e-4, (out.mean(), (out < 1).float().mean())
 
 
+@pytest.mark.parametrize("amx", [False, pytest.param(True, marks=needs_amx)], ids=["vdpbf16ps", "amx"])
+@pytest.mark.parametrize("gap", [30.0, 120.0])
+def test_a_key_past_the_first_block_that_outweighs_the_rest(amx, gap):
+    """After a row's first 64-key block the kernel takes blocks against the running max as it stands, with no
+    pass for the block's own max, and takes a block again the exact way where a row's sum passes its bound. Here
+    one key past the first block scores `gap` (natural units) above every other: at 30 the lazy pass overshoots
+    its bound (2^43 against 2^24), at 120 its probabilities would overflow float32 had the block not been
+    retaken. The output must still match float32 attention (and torch's bf16) on the same inputs."""
+    if not amx and cpu_kernel.isa(LIB) != "avx512-bf16":
+        pytest.skip("the lazy pass is the bf16 paths' (vdpbf16ps, AMX); this build computes P in float32")
+    gen = torch.Generator().manual_seed(int(gap))
+    lengths, heads, d = [300, 130], 2, 64
+    n = sum(lengths)
+    qkv = torch.randn(n, 3, heads, d, generator=gen)
+    u = torch.nn.functional.normalize(torch.randn(heads, d, generator=gen), dim=-1)
+    qkv[:, 0] = qkv[:, 0] * 0.3 + u * 4.0  # every query leans the same way per head
+    for start, length in zip((0, 300), lengths):
+        strong = start + length - 20  # in the segment's last block
+        qkv[strong, 1] = u * (gap + 4.0) * d**0.5 / 4.0  # q · k · d^-0.5 ≈ gap + 4 there, ~0 ± 2 elsewhere
+    qkv = qkv.to(torch.bfloat16)
+    cos, sin = torch.ones(n, d // 2), torch.zeros(n, d // 2)  # no rotation: the alignment is the test's
+    seg = Segments.of_lengths(lengths)
+    exact = TorchAttention()(qkv.float(), cos, sin, seg, d**-0.5)
+    torch_bf16 = TorchAttention()(qkv, cos, sin, seg, d**-0.5)
+    got = KernelAttention(LIB, amx=amx)(qkv, cos, sin, seg, d**-0.5)
+    assert torch.isfinite(got.float()).all()
+    ours = (got.float() - exact).abs().max().item()
+    theirs = (torch_bf16.float() - exact).abs().max().item()
+    assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+    # the strong key's value is the answer, nearly alone
+    strong_v = qkv[torch.tensor([280, 410]), 2].float().reshape(2, heads * d)
+    assert (exact[torch.tensor([0, 299])] - strong_v[0]).abs().max() < 1e-2
+    # causal prefill (every block taken the exact way there): rows after the strong key see it, past their first block
+    if cpu_kernel.causal_supported(LIB, qkv[:, 0]):
+        q, k, v = (qkv[:300, i] for i in range(3))
+        want = causal_reference(q, k, v, d**-0.5)
+        mask = torch.ones(300, 300, dtype=torch.bool).tril()
+        torch_causal = F.scaled_dot_product_attention(
+            *(t.transpose(0, 1) for t in (q, k, v)), attn_mask=mask, scale=d**-0.5
+        ).transpose(0, 1)
+        out = cpu_kernel.causal_attention(LIB, q, k, v, d**-0.5, amx=amx).float()
+        assert torch.isfinite(out).all()
+        ours, theirs = (out - want).abs().max(), (torch_causal.float() - want).abs().max()
+        assert ours <= theirs + 1e-3, (ours, theirs)
+        assert (out[290] - v[280].float()).abs().max() < 2e-2
+
+
 @needs_amx
 def test_amx_threads_do_not_change_the_result_and_float32_is_refused():
     qkv, cos, sin, seg = case([300, 5, 130, 64, 1], 3, 80, torch.bfloat16, seed=6)
