@@ -81,10 +81,10 @@ double vlm_amx_step_ns(int part, int reps) {
                     _tile_loadd(6, P, 64);
                     _tile_loadd(7, P + 16, 64);
 #define Ot o
-                    PV_TILE(0, 4, 0);
-                    PV_TILE(1, 5, 1);
-                    PV_TILE(2, 4, 2);
-                    PV_TILE(3, 5, 3);
+                    PV_TILE(0, 0);
+                    PV_TILE(1, 1);
+                    PV_TILE(2, 2);
+                    PV_TILE(3, 3);
 #undef Ot
                 } else if (part == 4) {
                     products16();
