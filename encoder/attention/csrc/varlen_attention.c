@@ -66,6 +66,7 @@
 
 #define QB 64 /* query rows per unit of work, and the row padding of every segment */
 #define KB 64 /* keys per block */
+#define SHORT_DQ 128 /* the widest padded head dim attend_short_amx packs on its stack */
 
 #define RT 4  /* query rows per register tile of the float32 products */
 #define MAX_D 256
@@ -390,24 +391,103 @@ static inline void transpose_words(const uint16_t *const in[16], int64_t words, 
     for (int64_t k = 0; k < nout; k++) _mm512_storeu_ps(out + k * ostride, r[k]);
 }
 
-/* pack_unit for bfloat16 input on the bf16 paths. Per 16-row group and head: q and k rotated in float32 and
- * rounded once (as load_row), staged as rows and turned into their tiles 16 × 16 words at a time; v read from
- * the rows as it is and turned into its layout in registers. NOTE: written row by row, each value to its place,
- * the layouts cost a store per pair (q, k) or value (v) to lines 64 or 128 bytes apart, past L1 for a chunk of
- * 16 heads: 8.4 of 34 ms of a 2 × 1024-patch, 16-head × 80 call on a Xeon (one thread; 3.0 ms now). */
+/* One 16-row group of head h on the bf16 paths: rows[i] (i < n, NULL past n) the group's qkv rows, row0 the
+ * first one's index (its rotary rows). q and k rotated in float32 and rounded once (as load_row), staged as rows
+ * and turned into their tiles 16 × 16 words at a time; v read from the rows as it is and turned into its layout
+ * in registers. Destinations: qt q's tile [dq/2][16][2]; kt k's rows [16][dq] on AMX, else its tile [d/2][16][2];
+ * vt on AMX the group's first key within a 64-key block [D][64], else its rows in key pairs [16][D] (2i, 2i + 1
+ * interleaved). Rows past n are zeros in every layout. */
+static inline void pack_group(const job_t *j, const uint16_t *const rows[16], int64_t n, int64_t row0, int64_t h,
+                              uint16_t *qt, uint16_t *kt, uint16_t *vt) {
+    const int64_t d = j->d, heads = j->heads, dq = j->dq, half = d / 2; /* dq == d off AMX */
+    uint16_t qs[16 * MAX_D] __attribute__((aligned(64))), ks[16 * MAX_D] __attribute__((aligned(64)));
+    uint16_t *kdst = j->amx ? kt : ks; /* AMX: k rows in place; else staged */
+    for (int64_t i = 0; i < 16; i++) {
+        uint16_t *qr = qs + i * dq, *kr = kdst + i * dq;
+        if (i < n) {
+            const float *cs = j->cos ? j->cos + (row0 + i) * half : NULL;
+            const float *sn = j->cos ? j->sin + (row0 + i) * half : NULL;
+            rotate_bf16(rows[i] + h * d, cs, sn, d, qr);
+            rotate_bf16(rows[i] + (heads + h) * d, cs, sn, d, kr);
+            memset(qr + d, 0, (size_t)(dq - d) * 2);
+            memset(kr + d, 0, (size_t)(dq - d) * 2);
+        } else {
+            memset(qr, 0, (size_t)dq * 2);
+            memset(kr, 0, (size_t)dq * 2);
+        }
+    }
+    /* q (and k off AMX): tiles [dq/2][16][2], 16 pairs of the 16 rows per transpose */
+    const uint16_t *qin[16], *kin[16], *vin[16];
+    for (int64_t w = 0; w < dq / 2; w += 16) {
+        const int64_t words = dq / 2 - w < 16 ? dq / 2 - w : 16;
+        for (int i = 0; i < 16; i++) qin[i] = qs + i * dq + 2 * w, kin[i] = ks + i * dq + 2 * w;
+        transpose_words(qin, words, qt + w * 32, 32, words);
+        if (!j->amx) transpose_words(kin, words, kt + w * 32, 32, words);
+    }
+    for (int i = 0; i < 16; i++) vin[i] = rows[i] ? rows[i] + (2 * heads + h) * d : NULL;
+    if (j->amx) { /* v: per 64-key block [D][64]; a transpose of 16 rows × 16 dim pairs gives each pair's two dims
+                   * for the 16 keys, low and high halves of the words */
+        for (int64_t w = 0; w < half; w += 16) {
+            const int64_t words = half - w < 16 ? half - w : 16;
+            __m512 r[16];
+            const __mmask16 mask = words >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << words) - 1);
+            for (int i = 0; i < 16; i++)
+                r[i] = vin[i] ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, vin[i] + 2 * w))
+                              : _mm512_setzero_ps();
+            transpose16(r);
+            for (int64_t k = 0; k < words; k++) {
+                const __m512i x = _mm512_castps_si512(r[k]);
+                _mm256_storeu_si256((__m256i *)(vt + (2 * (w + k)) * KB), _mm512_cvtepi32_epi16(x));
+                _mm256_storeu_si256((__m256i *)(vt + (2 * (w + k) + 1) * KB),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+            }
+        }
+    } else { /* v in key pairs [D][2]: rows 2i and 2i + 1 interleaved */
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                            37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int i = 0; i < 16; i += 2) {
+            uint16_t *dst = vt + i * d;
+            for (int64_t e = 0; e < d; e += 32) {
+                const int64_t m = d - e < 32 ? d - e : 32; /* 16 or 32 dims */
+                const __mmask32 mask = m == 32 ? (__mmask32)0xffffffffu : (__mmask32)0xffffu;
+                const __m512i a = vin[i] ? _mm512_maskz_loadu_epi16(mask, vin[i] + e) : _mm512_setzero_si512();
+                const __m512i b = vin[i + 1] ? _mm512_maskz_loadu_epi16(mask, vin[i + 1] + e) : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(a, lo, b));
+                if (m == 32) _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+    }
+}
+
+/* Whether segment s is attended by attend_short_amx, which packs its own q, k and v (pack_unit_bf16 skips it) */
+static inline int packs_itself(const job_t *j, int64_t s) {
+    return j->amx && j->cu[s + 1] - j->cu[s] <= QB && j->dq <= SHORT_DQ;
+}
+
+/* The group's 16 rows of segment s from its row r0 (n real) */
+static inline int64_t group_rows(const job_t *j, int64_t s, int64_t r0, const uint16_t *rows[16]) {
+    const int64_t start = j->cu[s], len = j->cu[s + 1] - start;
+    const int64_t n = len - r0 < 16 ? (len - r0 < 0 ? 0 : len - r0) : 16;
+    for (int64_t i = 0; i < 16; i++)
+        rows[i] = i < n ? (const uint16_t *)j->qkv + (start + r0 + i) * 3 * j->heads * j->d : NULL;
+    return n;
+}
+
+/* pack_unit for bfloat16 input on the bf16 paths: every head of the unit's 64-row chunk, group by group.
+ * NOTE: written row by row, each value to its place, the layouts cost a store per pair (q, k) or value (v) to
+ * lines 64 or 128 bytes apart, past L1 for a chunk of 16 heads: 8.4 of 34 ms of a 2 × 1024-patch, 16-head × 80
+ * call on a Xeon (one thread; 3.0 ms now). */
 static void pack_unit_bf16(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate(j, u * j->heads, &s, &h, &c);
-    const int64_t start = j->cu[s], len = j->cu[s + 1] - start, d = j->d, heads = j->heads;
-    const int64_t dq = j->dq, half = d / 2; /* dq == d off AMX */
-    uint16_t qs[16 * MAX_D] __attribute__((aligned(64))), ks[16 * MAX_D] __attribute__((aligned(64)));
+    if (packs_itself(j, s)) return;
+    const int64_t start = j->cu[s], d = j->d, heads = j->heads, dq = j->dq, half = d / 2;
     uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t g = 0; g < QB / 16; g++) {
         const int64_t r0 = c * QB + g * 16, p0 = j->pad[s] + r0; /* the group's first row, and its padded row */
-        const int64_t n = len - r0 < 16 ? (len - r0 < 0 ? 0 : len - r0) : 16; /* real rows of the group */
         const uint16_t *rows[16];
-        for (int64_t i = 0; i < 16; i++)
-            rows[i] = i < n ? (const uint16_t *)j->qkv + (start + r0 + i) * 3 * heads * d : NULL;
+        const int64_t n = group_rows(j, s, r0, rows);
         { /* the next group's rows (past this segment's end too: the next unit's), and their rotary rows, on their
            * way to L2 while this group is packed. NOTE: 256 windows of 64 rows (37 MB of qkv, from DRAM), one
            * thread: 15.3 against 16.9 ms; 4 × 1,024 and 4,920 + 1,564 + 256 rows unchanged; 2 or 4 groups
@@ -424,65 +504,9 @@ static void pack_unit_bf16(job_t *j, int64_t u) {
         }
         for (h = 0; h < heads; h++) {
             const int64_t base = h * j->padded;
-            uint16_t *kdst = j->amx ? kp + (base + p0) * dq : ks; /* AMX: k rows in place; else staged */
-            for (int64_t i = 0; i < 16; i++) {
-                uint16_t *qr = qs + i * dq, *kr = kdst + i * dq;
-                if (i < n) {
-                    const float *cs = j->cos ? j->cos + (start + r0 + i) * half : NULL;
-                    const float *sn = j->cos ? j->sin + (start + r0 + i) * half : NULL;
-                    rotate_bf16(rows[i] + h * d, cs, sn, d, qr);
-                    rotate_bf16(rows[i] + (heads + h) * d, cs, sn, d, kr);
-                    memset(qr + d, 0, (size_t)(dq - d) * 2);
-                    memset(kr + d, 0, (size_t)(dq - d) * 2);
-                } else {
-                    memset(qr, 0, (size_t)dq * 2);
-                    memset(kr, 0, (size_t)dq * 2);
-                }
-            }
-            /* q (and k off AMX): tiles [dq/2][16][2], 16 pairs of the 16 rows per transpose */
-            const uint16_t *qin[16], *kin[16], *vin[16];
-            for (int64_t w = 0; w < dq / 2; w += 16) {
-                const int64_t words = dq / 2 - w < 16 ? dq / 2 - w : 16;
-                for (int i = 0; i < 16; i++) qin[i] = qs + i * dq + 2 * w, kin[i] = ks + i * dq + 2 * w;
-                transpose_words(qin, words, qp + (base + p0) * dq + w * 32, 32, words);
-                if (!j->amx) transpose_words(kin, words, kp + (base + p0) * d + w * 32, 32, words);
-            }
-            for (int i = 0; i < 16; i++) vin[i] = rows[i] ? rows[i] + (2 * heads + h) * d : NULL;
-            if (j->amx) { /* v: per 64-key block [D][64]; a transpose of 16 rows × 16 dim pairs gives each pair's
-                           * two dims for the 16 keys, low and high halves of the words */
-                uint16_t *vt = vp + (base + p0) / KB * KB * d + (base + p0) % KB;
-                for (int64_t w = 0; w < half; w += 16) {
-                    const int64_t words = half - w < 16 ? half - w : 16;
-                    __m512 r[16];
-                    const __mmask16 mask = words >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << words) - 1);
-                    for (int i = 0; i < 16; i++)
-                        r[i] = vin[i] ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(mask, vin[i] + 2 * w))
-                                      : _mm512_setzero_ps();
-                    transpose16(r);
-                    for (int64_t k = 0; k < words; k++) {
-                        const __m512i x = _mm512_castps_si512(r[k]);
-                        _mm256_storeu_si256((__m256i *)(vt + (2 * (w + k)) * KB), _mm512_cvtepi32_epi16(x));
-                        _mm256_storeu_si256((__m256i *)(vt + (2 * (w + k) + 1) * KB),
-                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
-                    }
-                }
-            } else { /* v in key pairs [D][2]: rows 2i and 2i + 1 interleaved */
-                const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                                    38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-                const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-                for (int i = 0; i < 16; i += 2) {
-                    uint16_t *dst = vp + (base + p0 + i) * d;
-                    for (int64_t e = 0; e < d; e += 32) {
-                        const int64_t m = d - e < 32 ? d - e : 32; /* 16 or 32 dims */
-                        const __mmask32 mask = m == 32 ? (__mmask32)0xffffffffu : (__mmask32)0xffffu;
-                        const __m512i a = vin[i] ? _mm512_maskz_loadu_epi16(mask, vin[i] + e) : _mm512_setzero_si512();
-                        const __m512i b =
-                            vin[i + 1] ? _mm512_maskz_loadu_epi16(mask, vin[i + 1] + e) : _mm512_setzero_si512();
-                        _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(a, lo, b));
-                        if (m == 32) _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(a, hi, b));
-                    }
-                }
-            }
+            uint16_t *kt = kp + (base + p0) * dq; /* dq == d off AMX */
+            uint16_t *vt = j->amx ? vp + (base + p0) / KB * KB * d + (base + p0) % KB : vp + (base + p0) * d;
+            pack_group(j, rows, n, start + r0, h, qp + (base + p0) * dq, kt, vt);
         }
     }
 }
@@ -843,6 +867,37 @@ static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, in
     const int64_t stride = j->heads * d;
     write_tiles(Ots, l, d, rows, (uint16_t *)j->out + (j->cu[s] + r0) * stride + h * d, stride);
 }
+/* A segment of at most 64 rows (Qwen2.5-VL's windows), every head, in the unit of its head 0 (the other heads'
+ * units are empty): its rows are prefetched whole, then head by head packed into the unit's own buffers and
+ * attended, rather than packed by pack_unit_bf16 into the job's scratch and read back from there. NOTE: 64-row
+ * windows 40 % faster, one thread (qkv from DRAM) or two (qkv fresh from a matmul), longer segments unchanged
+ * (2-vCPU Xeon with AMX, in-process A/B, medians of 25): the scratch of a 4,096-row pass is 9.4 MB, and each
+ * unit's q tiles came back from L3. One head per unit, packing its own lines of the rows, was 18 % slower on
+ * two threads than the scratch round trip. */
+static void attend_short_amx(const job_t *j, int64_t s) {
+    const int64_t d = j->d, dq = j->dq, len = j->cu[s + 1] - j->cu[s], tiles = (len + TR - 1) / TR;
+    uint16_t qb[QB * SHORT_DQ] __attribute__((aligned(64))), kb[QB * SHORT_DQ] __attribute__((aligned(64)));
+    uint16_t vb[SHORT_DQ * KB] __attribute__((aligned(64))); /* one 64-key block [D][64] (d <= dq) */
+    float Ots[(QB / TR) * SHORT_DQ * TR] __attribute__((aligned(64)));
+    __m512 m[QB / TR], l[QB / TR];
+    const char *first = (const char *)((const uint16_t *)j->qkv + j->cu[s] * 3 * j->heads * d);
+    for (int64_t b = 0; b < len * 3 * j->heads * d * 2; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
+    const int64_t stride = j->heads * d;
+    for (int64_t h = 0; h < j->heads; h++) {
+        for (int64_t g = 0; g < QB / 16; g++) { /* every group, so keys past len are zeros (P · v must stay finite) */
+            const uint16_t *rows[16];
+            const int64_t n = group_rows(j, s, g * 16, rows);
+            pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * dq, kb + g * 16 * dq, vb + g * 16);
+        }
+        amx_config();
+        for (int64_t t = 0; t < tiles; t++) {
+            m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
+            amx_step(qb + t * TR * dq, kb, vb, d, dq, len, NULL, j->scale2, m + t, l + t, Ots + t * d * TR, 1, 0);
+        }
+        _tile_release();
+        write_tiles(Ots, l, d, len, (uint16_t *)j->out + j->cu[s] * stride + h * d, stride);
+    }
+}
 #endif
 
 int vlm_amx_ready(void) {
@@ -1143,7 +1198,10 @@ static void attend_unit(job_t *j, int64_t u) {
     if (j->dot) {
 #if HAVE_AMX
         if (j->amx) {
-            attend_unit_amx(j, s, h, r0, rows, len, base);
+            if (packs_itself(j, s)) {
+                if (h == 0) attend_short_amx(j, s); /* every head of the segment */
+            } else
+                attend_unit_amx(j, s, h, r0, rows, len, base);
             return;
         }
 #endif
