@@ -66,7 +66,7 @@
 
 #define QB 64 /* query rows per unit of work, and the row padding of every segment */
 #define KB 64 /* keys per block */
-#define SHORT_DQ 128 /* the widest padded head dim attend_short_amx packs on its stack */
+#define SHORT_DQ 128 /* the widest padded head dim attend_short_amx and attend_short_dot pack on their stacks */
 
 #define RT 4  /* query rows per register tile of the float32 products */
 #define MAX_D 256
@@ -460,9 +460,10 @@ static inline void pack_group(const job_t *j, const uint16_t *const rows[16], in
     }
 }
 
-/* Whether segment s is attended by attend_short_amx, which packs its own q, k and v (pack_unit_bf16 skips it) */
+/* Whether segment s is attended by attend_short_amx or attend_short_dot, which pack its q, k and v themselves
+ * (pack_unit_bf16 skips it) */
 static inline int packs_itself(const job_t *j, int64_t s) {
-    return j->amx && j->cu[s + 1] - j->cu[s] <= QB && j->dq <= SHORT_DQ;
+    return j->dot && j->cu[s + 1] - j->cu[s] <= QB && j->dq <= SHORT_DQ;
 }
 
 /* The group's 16 rows of segment s from its row r0 (n real) */
@@ -691,28 +692,54 @@ static void write_tiles(const float *Ot, const __m512 *l, int64_t d, int64_t row
     }
 }
 
-/* One unit on the bf16 path: `rows` query rows from padded row `base + r0`, keys [0, len) from `base`. */
-static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
-                            int64_t base) {
+/* `rows` query rows on the bf16 path against keys [0, len): q's tiles from qs (the first row's), k's tiles and
+ * v's key pairs from ks and vs (key 0's); the rows out to out, out + stride, … */
+static void attend_dot(const job_t *j, const uint16_t *qs, const uint16_t *ks, const uint16_t *vs, int64_t rows,
+                       int64_t len, uint16_t *out) {
     const int64_t d = j->d, tiles = (rows + TR - 1) / TR;
     float Ot[(QB / TR) * MAX_D * TR] __attribute__((aligned(64))); /* [tile][dim][16 rows] */
     __m512 S[KB], m[QB / TR], l[QB / TR];
     __m512i P[KB / 2];
     memset(Ot, 0, sizeof(float) * (size_t)(tiles * d * TR));
     for (int64_t t = 0; t < tiles; t++) m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
-    const uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t k0 = 0; k0 < len; k0 += KB) {
         const int64_t kv = len - k0 < KB ? len - k0 : KB;
-        const uint16_t *kb = kp + (base + k0) * d, *vb = vp + (base + k0) * d;
+        const uint16_t *kb = ks + k0 * d, *vb = vs + k0 * d;
         for (int64_t t = 0; t < tiles; t++) {
-            const uint16_t *qt = qp + (base + r0 + t * TR) * d;
+            const uint16_t *qt = qs + t * TR * d;
             for (int64_t k1 = 0; k1 < kv; k1 += 16) qk_tile(qt, kb + k1 * d, d, S + k1);
             const __m512 corr = softmax_tile(S, kv, NULL, j->scale2, m + t, l + t, P, k0 > 0);
             for (int64_t d0 = 0; d0 < d; d0 += 16) pv_tile(P, (kv + 1) / 2, vb, d, d0, Ot + t * d * TR, corr);
         }
     }
-    const int64_t stride = j->heads * d;
-    write_tiles(Ot, l, d, rows, (uint16_t *)j->out + (j->cu[s] + r0) * stride + h * d, stride);
+    write_tiles(Ot, l, d, rows, out, j->heads * d);
+}
+
+/* One unit on the bf16 path: `rows` query rows from padded row `base + r0`, keys [0, len) from `base`. */
+static void attend_unit_dot(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
+                            int64_t base) {
+    const int64_t d = j->d;
+    attend_dot(j, (const uint16_t *)j->qp + (base + r0) * d, (const uint16_t *)j->kp + base * d,
+               (const uint16_t *)j->vp + base * d, rows, len,
+               (uint16_t *)j->out + (j->cu[s] + r0) * j->heads * d + h * d);
+}
+
+/* attend_short_amx's way on the vdpbf16ps path: a segment of at most 64 rows, every head, packed into the unit's
+ * own buffers head by head (layouts as pack_unit_bf16 writes them off AMX). */
+static void attend_short_dot(const job_t *j, int64_t s) {
+    const int64_t d = j->d, len = j->cu[s + 1] - j->cu[s], stride = j->heads * d;
+    uint16_t qb[QB * SHORT_DQ] __attribute__((aligned(64))), kb[QB * SHORT_DQ] __attribute__((aligned(64))),
+        vb[QB * SHORT_DQ] __attribute__((aligned(64)));
+    const char *first = (const char *)((const uint16_t *)j->qkv + j->cu[s] * 3 * j->heads * d);
+    for (int64_t b = 0; b < len * 3 * j->heads * d * 2; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
+    for (int64_t h = 0; h < j->heads; h++) {
+        for (int64_t g = 0; g < QB / 16; g++) {
+            const uint16_t *rows[16];
+            const int64_t n = group_rows(j, s, g * 16, rows);
+            pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * d, kb + g * 16 * d, vb + g * 16 * d);
+        }
+        attend_dot(j, qb, kb, vb, len, len, (uint16_t *)j->out + j->cu[s] * stride + h * d);
+    }
 }
 #endif
 
@@ -1205,7 +1232,10 @@ static void attend_unit(job_t *j, int64_t u) {
             return;
         }
 #endif
-        attend_unit_dot(j, s, h, r0, rows, len, base);
+        if (packs_itself(j, s)) {
+            if (h == 0) attend_short_dot(j, s); /* every head of the segment */
+        } else
+            attend_unit_dot(j, s, h, r0, rows, len, base);
         return;
     }
 #endif
