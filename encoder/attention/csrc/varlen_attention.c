@@ -409,8 +409,10 @@ static inline void pack_group(const job_t *j, const uint16_t *const rows[16], in
             const float *sn = j->cos ? j->sin + (row0 + i) * half : NULL;
             rotate_bf16(rows[i] + h * d, cs, sn, d, qr);
             rotate_bf16(rows[i] + (heads + h) * d, cs, sn, d, kr);
-            memset(qr + d, 0, (size_t)(dq - d) * 2);
-            memset(kr + d, 0, (size_t)(dq - d) * 2);
+            if (dq > d) {
+                memset(qr + d, 0, (size_t)(dq - d) * 2);
+                memset(kr + d, 0, (size_t)(dq - d) * 2);
+            }
         } else {
             memset(qr, 0, (size_t)dq * 2);
             memset(kr, 0, (size_t)dq * 2);
@@ -910,20 +912,20 @@ static void attend_short_amx(const job_t *j, int64_t s) {
     const char *first = (const char *)((const uint16_t *)j->qkv + j->cu[s] * 3 * j->heads * d);
     for (int64_t b = 0; b < len * 3 * j->heads * d * 2; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
     const int64_t stride = j->heads * d;
+    amx_config(); /* the packs between use no tiles */
     for (int64_t h = 0; h < j->heads; h++) {
         for (int64_t g = 0; g < QB / 16; g++) { /* every group, so keys past len are zeros (P · v must stay finite) */
             const uint16_t *rows[16];
             const int64_t n = group_rows(j, s, g * 16, rows);
             pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * dq, kb + g * 16 * dq, vb + g * 16);
         }
-        amx_config();
         for (int64_t t = 0; t < tiles; t++) {
             m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
             amx_step(qb + t * TR * dq, kb, vb, d, dq, len, NULL, j->scale2, m + t, l + t, Ots + t * d * TR, 1, 0);
         }
-        _tile_release();
         write_tiles(Ots, l, d, len, (uint16_t *)j->out + j->cu[s] * stride + h * d, stride);
     }
+    _tile_release();
 }
 #endif
 
