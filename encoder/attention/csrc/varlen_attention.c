@@ -583,7 +583,9 @@ static inline __m512 exp2_512(__m512 x) {
  * bfloat16 step, over the mantissas of a binade): the polynomial's coefficients are scaled by P_CENTRE to put
  * that back, and softmax_tile divides the row sums by it.
  * NOTE: rounding x to nearest (vroundscaleps) and subtracting, for f in [-1/2, 1/2], was one instruction more:
- * the softmax of a block 92-97 ns against 80-82 (2-vCPU Xeon with AMX, benchmarks/amx_step.py). */
+ * the softmax of a block 92-97 ns against 80-82 (2-vCPU Xeon with AMX, benchmarks/amx_step.py). A degree-2
+ * polynomial (relative error 1.7e-3) made the softmax 69 ns against 77-79 but not the whole step (246-260 ns
+ * against 251-262), raised the mean error against float32 5-9 % and failed 18 kernel tests: not kept. */
 #define P_CENTRE 1.00282f
 static inline __m512 exp2_p(__m512 x) {
     const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
