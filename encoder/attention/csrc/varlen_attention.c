@@ -468,6 +468,18 @@ static inline int packs_itself(const job_t *j, int64_t s) {
     return j->dot && j->cu[s + 1] - j->cu[s] <= QB && j->dq <= SHORT_DQ;
 }
 
+/* qkv rows [first, first + count), every head, on their way to L2; with `rotary`, their rotary rows too */
+static inline void prefetch_rows(const job_t *j, int64_t first, int64_t count, int rotary) {
+    const int64_t half = j->d / 2;
+    const char *rows = (const char *)((const uint16_t *)j->qkv + first * 3 * j->heads * j->d);
+    for (int64_t b = 0; b < count * 3 * j->heads * j->d * 2; b += 64) _mm_prefetch(rows + b, _MM_HINT_T1);
+    if (rotary && j->cos)
+        for (int64_t b = 0; b < count * half * 4; b += 64) {
+            _mm_prefetch((const char *)(j->cos + first * half) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(j->sin + first * half) + b, _MM_HINT_T1);
+        }
+}
+
 /* The group's 16 rows of segment s from its row r0 (n real) */
 static inline int64_t group_rows(const job_t *j, int64_t s, int64_t r0, const uint16_t *rows[16]) {
     const int64_t start = j->cu[s], len = j->cu[s + 1] - start;
@@ -475,6 +487,18 @@ static inline int64_t group_rows(const job_t *j, int64_t s, int64_t r0, const ui
     for (int64_t i = 0; i < 16; i++)
         rows[i] = i < n ? (const uint16_t *)j->qkv + (start + r0 + i) * 3 * j->heads * j->d : NULL;
     return n;
+}
+
+/* Head h of segment s (at most 64 rows) into a unit's own buffers, laid out as pack_unit_bf16 lays out one 64-row
+ * chunk: q's tiles at qb, k at kb, v at vb (on AMX one 64-key block [D][64]). Every group, so keys past the
+ * segment's end are zeros (P · v must stay finite). */
+static inline void pack_short(const job_t *j, int64_t s, int64_t h, uint16_t *qb, uint16_t *kb, uint16_t *vb) {
+    for (int64_t g = 0; g < QB / 16; g++) {
+        const uint16_t *rows[16];
+        const int64_t n = group_rows(j, s, g * 16, rows);
+        pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * j->dq, kb + g * 16 * j->dq,
+                   vb + g * 16 * (j->amx ? 1 : j->d));
+    }
 }
 
 /* pack_unit for bfloat16 input on the bf16 paths: every head of the unit's 64-row chunk, group by group.
@@ -485,7 +509,7 @@ static void pack_unit_bf16(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate(j, u * j->heads, &s, &h, &c);
     if (packs_itself(j, s)) return;
-    const int64_t start = j->cu[s], d = j->d, heads = j->heads, dq = j->dq, half = d / 2;
+    const int64_t start = j->cu[s], d = j->d, heads = j->heads, dq = j->dq;
     uint16_t *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t g = 0; g < QB / 16; g++) {
         const int64_t r0 = c * QB + g * 16, p0 = j->pad[s] + r0; /* the group's first row, and its padded row */
@@ -495,15 +519,8 @@ static void pack_unit_bf16(job_t *j, int64_t u) {
            * way to L2 while this group is packed. NOTE: 256 windows of 64 rows (37 MB of qkv, from DRAM), one
            * thread: 15.3 against 16.9 ms; 4 × 1,024 and 4,920 + 1,564 + 256 rows unchanged; 2 or 4 groups
            * ahead no better than 1 (2-vCPU Xeon with AMX, in-process A/B, medians of 25) */
-            const int64_t first = start + r0 + 16, total = j->cu[j->segs];
-            const int64_t nn = total - first < 16 ? (total - first < 0 ? 0 : total - first) : 16;
-            const char *next = (const char *)((const uint16_t *)j->qkv + first * 3 * heads * d);
-            for (int64_t b = 0; b < nn * 3 * heads * d * 2; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
-            if (j->cos)
-                for (int64_t b = 0; b < nn * half * 4; b += 64) {
-                    _mm_prefetch((const char *)(j->cos + first * half) + b, _MM_HINT_T1);
-                    _mm_prefetch((const char *)(j->sin + first * half) + b, _MM_HINT_T1);
-                }
+            const int64_t first = start + r0 + 16, left = j->cu[j->segs] - first;
+            prefetch_rows(j, first, left < 16 ? (left < 0 ? 0 : left) : 16, 1);
         }
         for (h = 0; h < heads; h++) {
             const int64_t base = h * j->padded;
@@ -636,18 +653,24 @@ static inline __m512 softmax_pair(const __m512 *S, int64_t i, int64_t kv, const 
  * GCC kept the chains on the stack, a store and a reload per key: the softmax of a 64-key block took 163 ns, of
  * which 111 without any exp2 (a Xeon, AVX-512). */
 #define LAZY_BOUND 0x1p24f
+/* The block's probabilities against the max m into P (softmax_pair), and their sum per row, in two chains */
+static inline __m512 softmax_sum(const __m512 *S, int64_t kv, const __mmask16 *valid, __m512 sc, __m512 m,
+                                 __m512i *P) {
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 <= kv; i += 4) {
+        sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, m, P));
+        sum1 = _mm512_add_ps(sum1, softmax_pair(S, i + 2, kv, valid, sc, m, P));
+    }
+    for (; i < kv; i += 2) sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, m, P));
+    return _mm512_add_ps(sum0, sum1);
+}
+
 static inline __m512 softmax_tile(__m512 *S, int64_t kv, const __mmask16 *valid, float scale2, __m512 *m, __m512 *l,
                                   __m512i *P, int settled) {
     const __m512 sc = _mm512_set1_ps(scale2);
     if (settled && !valid) {
-        __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 4 <= kv; i += 4) {
-            sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, NULL, sc, *m, P));
-            sum1 = _mm512_add_ps(sum1, softmax_pair(S, i + 2, kv, NULL, sc, *m, P));
-        }
-        for (; i < kv; i += 2) sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, NULL, sc, *m, P));
-        const __m512 sum = _mm512_add_ps(sum0, sum1);
+        const __m512 sum = softmax_sum(S, kv, NULL, sc, *m, P);
         if (!_mm512_cmp_ps_mask(sum, _mm512_set1_ps(LAZY_BOUND), _CMP_NLE_UQ)) { /* NaN and inf included */
             *l = _mm512_fmadd_ps(sum, _mm512_set1_ps(1.0f / P_CENTRE), *l);
             return _mm512_set1_ps(1.0f);
@@ -669,13 +692,8 @@ static inline __m512 softmax_tile(__m512 *S, int64_t kv, const __mmask16 *valid,
     /* exactly 1 where the max did not move (exp2_512(0) is 1 + 2^-23), so the AMX path can skip rescaling */
     const __m512 corr = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, *m, _CMP_NEQ_OQ), _mm512_set1_ps(1.0f),
                                              exp2_512(_mm512_sub_ps(*m, mnew)));
-    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (i = 0; i + 4 <= kv; i += 4) {
-        sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, mnew, P));
-        sum1 = _mm512_add_ps(sum1, softmax_pair(S, i + 2, kv, valid, sc, mnew, P));
-    }
-    for (; i < kv; i += 2) sum0 = _mm512_add_ps(sum0, softmax_pair(S, i, kv, valid, sc, mnew, P));
-    *l = _mm512_fmadd_ps(*l, corr, _mm512_mul_ps(_mm512_add_ps(sum0, sum1), _mm512_set1_ps(1.0f / P_CENTRE)));
+    const __m512 sum = softmax_sum(S, kv, valid, sc, mnew, P);
+    *l = _mm512_fmadd_ps(*l, corr, _mm512_mul_ps(sum, _mm512_set1_ps(1.0f / P_CENTRE)));
     *m = mnew;
     return corr;
 }
@@ -734,14 +752,9 @@ static void attend_short_dot(const job_t *j, int64_t s) {
     const int64_t d = j->d, len = j->cu[s + 1] - j->cu[s], stride = j->heads * d;
     uint16_t qb[QB * SHORT_DQ] __attribute__((aligned(64))), kb[QB * SHORT_DQ] __attribute__((aligned(64))),
         vb[QB * SHORT_DQ] __attribute__((aligned(64)));
-    const char *first = (const char *)((const uint16_t *)j->qkv + j->cu[s] * 3 * j->heads * d);
-    for (int64_t b = 0; b < len * 3 * j->heads * d * 2; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
+    prefetch_rows(j, j->cu[s], len, 0);
     for (int64_t h = 0; h < j->heads; h++) {
-        for (int64_t g = 0; g < QB / 16; g++) {
-            const uint16_t *rows[16];
-            const int64_t n = group_rows(j, s, g * 16, rows);
-            pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * d, kb + g * 16 * d, vb + g * 16 * d);
-        }
+        pack_short(j, s, h, qb, kb, vb);
         attend_dot(j, qb, kb, vb, len, len, (uint16_t *)j->out + j->cu[s] * stride + h * d);
     }
 }
@@ -913,16 +926,11 @@ static void attend_short_amx(const job_t *j, int64_t s) {
     uint16_t vb[SHORT_DQ * KB] __attribute__((aligned(64))); /* one 64-key block [D][64] (d <= dq) */
     float Ots[(QB / TR) * SHORT_DQ * TR] __attribute__((aligned(64)));
     __m512 m[QB / TR], l[QB / TR];
-    const char *first = (const char *)((const uint16_t *)j->qkv + j->cu[s] * 3 * j->heads * d);
-    for (int64_t b = 0; b < len * 3 * j->heads * d * 2; b += 64) _mm_prefetch(first + b, _MM_HINT_T1);
+    prefetch_rows(j, j->cu[s], len, 0);
     const int64_t stride = j->heads * d;
     amx_config(); /* the packs between use no tiles */
     for (int64_t h = 0; h < j->heads; h++) {
-        for (int64_t g = 0; g < QB / 16; g++) { /* every group, so keys past len are zeros (P · v must stay finite) */
-            const uint16_t *rows[16];
-            const int64_t n = group_rows(j, s, g * 16, rows);
-            pack_group(j, rows, n, j->cu[s] + g * 16, h, qb + g * 16 * dq, kb + g * 16 * dq, vb + g * 16);
-        }
+        pack_short(j, s, h, qb, kb, vb);
         for (int64_t t = 0; t < tiles; t++) {
             m[t] = _mm512_set1_ps(-INFINITY), l[t] = _mm512_setzero_ps();
             amx_step(qb + t * TR * dq, kb, vb, d, dq, len, NULL, j->scale2, m + t, l + t, Ots + t * d * TR, 1, 0);
