@@ -778,6 +778,12 @@ typedef struct {
 static int amx_state; /* 1: the kernel granted this process the tile data state; -1: refused */
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 
+/* GCC's _tile_loadd is an asm statement that does not tell the compiler it reads memory (its _tile_stored does
+ * declare the write), so stores of what a tile load is about to read may legally be moved past it: the packed q,
+ * k and v of a window unit, P, the accumulators rescaled in memory. The functions that tile-load what C code
+ * wrote begin with this barrier; it orders the compiler only and costs nothing at run time. */
+static inline void memory_barrier(void) { __asm__ volatile("" ::: "memory"); }
+
 static void amx_request(void) {
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux enables the 8 KB tile state per process on request */
     amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
@@ -831,6 +837,7 @@ static void amx_config(void) {
  * 75-78 against 60-64 ns a step, the kernel on 4 × 1,024 rows 3 % faster with the PV_TILE order above
  * (2-vCPU Xeon with AMX, benchmarks/amx_step.py and an in-process A/B, medians of 25). */
 static inline void amx_scores(const uint16_t *qt, const uint16_t *kb, int64_t dq) {
+    memory_barrier(); /* q and k as the packs wrote them */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -877,6 +884,7 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
     /* no rescaling where no row's max moved, nor on the first block (the accumulators start from zero tiles) */
     if (!fresh && _mm512_cmp_ps_mask(corr, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))
         for (int64_t e = 0; e < d; e++) _mm512_store_ps(Ot + e * TR, _mm512_mul_ps(_mm512_load_ps(Ot + e * TR), corr));
+    memory_barrier(); /* P and the rescaled accumulators as the vector code wrote them */
     _tile_loadd(6, P, 64);
     if (two) _tile_loadd(7, P + 16, 64);
     int64_t dt = 0;
@@ -894,7 +902,21 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
  * interleaved 246 ns (no dependency between them), and issuing the next step's scores before this step's softmax
  * bought nothing. So the steps run one after the other. (2026-12-05, benchmarks/amx_step.py: a step 244-261 ns,
  * the 16 products ~35 % of it, the softmax, with no max pass after a row's first block, ~30 %, tile loads and
- * stores the rest; products then softmax 164-168 ns against 169-174 apart: still no overlap.) */
+ * stores the rest; products then softmax 164-168 ns against 169-174 apart: still no overlap.)
+ * Tried and not kept (2026-12-05, the same kind of Xeon, in-process A/B of two builds, medians of 25, 2 threads):
+ * - software-pipelined steps (step i + 1's scores issued before step i's P·V, its softmax after, so that neither
+ *   round trip through memory, scores tile-stored then read, P stored then tile-loaded, waits on its own
+ *   store): 2-5 % slower on 4 × 1,024 and 4,096 rows, the same outputs to the bit; with S and P double-buffered
+ *   3-6 % slower. So the step does not wait on those round trips.
+ * - a block's four tiles phase by phase (four scores, four softmaxes, four P·V: one switch between the tile
+ *   unit and the vector units where there were four): 9-13 % slower; its S and P take 18 KB more of L1, where
+ *   a unit's q tiles, accumulators and one k/v block already take ~46 of 48 KB.
+ * - each q tile over every key block before the next (t outer): 7 % slower on 4,096 rows (k and v then come
+ *   from L2 at every step); the tiles in pairs over the key blocks: 1-3 % faster, within the noise.
+ * - tile loads and stores are what the step's tile half waits on: 24 tile loads (24 KB) and 8 stores (8 KB)
+ *   a step against 16 products of 5.7 ns (benchmarks/amx_step.py: 16 loads of k and v alone 53 ns). Keeping the
+ *   accumulators in tiles across key blocks needs 4 tiles at head dim 64, leaving 2 accumulators of 16 keys
+ *   and 2 operand tiles for the scores: not tried. */
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
@@ -919,7 +941,14 @@ static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, in
  * windows 40 % faster, one thread (qkv from DRAM) or two (qkv fresh from a matmul), longer segments unchanged
  * (2-vCPU Xeon with AMX, in-process A/B, medians of 25): the scratch of a 4,096-row pass is 9.4 MB, and each
  * unit's q tiles came back from L3. One head per unit, packing its own lines of the rows, was 18 % slower on
- * two threads than the scratch round trip. */
+ * two threads than the scratch round trip.
+ * Where a window's time goes (2026-12-05, perf, one thread, 530 windows of 16-64 rows, 6 heads of 64, the window
+ * layers of benchmarks/encoder_throughput.py's Qwen2.5-VL images): attend_unit 52 % (half of that on the
+ * prefetch loop below, waiting for the rows to come from memory), pack_group 32 %, write_tiles 15 %. The
+ * windows are 3 % of the tower's attention FLOPs and 14 % of its attention time. Tried and not kept, same
+ * windows, two threads, L2 flushed before each call: the next segment's rows (64, 128 or 192 of them)
+ * prefetched a slice per head while this one is attended, 10-18 % slower; the rotary rows prefetched with this
+ * window's rows, ~45 % slower (two runs; not understood); no prefetch, ~50 % slower. */
 static void attend_short_amx(const job_t *j, int64_t s) {
     const int64_t d = j->d, dq = j->dq, len = j->cu[s + 1] - j->cu[s], tiles = (len + TR - 1) / TR;
     uint16_t qb[QB * SHORT_DQ] __attribute__((aligned(64))), kb[QB * SHORT_DQ] __attribute__((aligned(64)));
