@@ -915,8 +915,13 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
  *   from L2 at every step); the tiles in pairs over the key blocks: 1-3 % faster, within the noise.
  * - tile loads and stores are what the step's tile half waits on: 24 tile loads (24 KB) and 8 stores (8 KB)
  *   a step against 16 products of 5.7 ns (benchmarks/amx_step.py: 16 loads of k and v alone 53 ns). Keeping the
- *   accumulators in tiles across key blocks needs 4 tiles at head dim 64, leaving 2 accumulators of 16 keys
- *   and 2 operand tiles for the scores: not tried. */
+ *   accumulators in tiles across key blocks (tiles 0-3, q's halves resident in 4-5, the scores 16 keys at a
+ *   time in 6, k, v and P through 7) was estimated from a standalone tile bench and not built: 16 products on
+ *   one chained accumulator take the same 75 ns as on four (no latency to hide), and a tile load before each
+ *   product costs 92 ns in all whether the operand tile alternates or not, so the tile half of a step would
+ *   fall from ~140 to ~95 ns; but one q tile over every key block reads k and v from L2 at every step, and 16
+ *   tile loads streamed from L2 take 95 ns against 38 from L1 (123 against 92 with the products), which
+ *   eats the gain. Tile stores are the dearest tile operation: 8 take 35 ns. */
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
