@@ -1033,6 +1033,17 @@ def train(
     # NOTE: batches are made in this process, between steps (~0.1 s of one core each). A DataLoader worker
     # made them while the step ran, but on two cores it took one from the step's two threads: 60 + 60 steps
     # ran at 20.3 and 6.9 images/s with the worker, 22.0 and 8.5 without (Xeon with AMX).
+    # NOTE: where a step's time goes, and data parallelism tried (2026-12-05, 2-vCPU Xeon with AMX, 60 tower +
+    # 60 whole-model steps of this recipe under jemalloc, perf): one process of two threads, 124.8 s (28.7 and
+    # 17.5 images/s in the two phases); its second thread spent 36 % of its samples in OpenMP's barriers, and
+    # of all samples matmuls (oneDNN's JIT code, MKL) took ~20 %, the rest torch's elementwise ops and casts
+    # under autocast, page faults, Python, and this process drawing the task images (PIL, zlib: ~5 % of the
+    # main thread). One thread alone: 179.9 s (19.2 and 12.5 images/s). Two processes of one thread each, each
+    # on half of every batch, their gradients averaged by one gloo all-reduce a step (34 ms for 12M floats on
+    # loopback): 120.7 s (29.8 and 19.4 images/s), both processes busy the whole time: halving the batch
+    # leaves every step's fixed costs (op dispatch, Python, AdamW over every parameter) whole in each process,
+    # so the CPU time of the run was a third more than one thread alone's (2 x 120.7 against 179.9 s), which
+    # ate most of the barriers' gain. Not kept (3 % for ~100 lines).
     loader = TrainBatches(out, cfg)
     phase2 = time.perf_counter()
     seen = 0
