@@ -33,6 +33,10 @@ PARTS = {
     4: "16 tile products alone",
     5: "16 tile loads of k and v",
     6: "products (4), then softmax (2)",
+    7: "16 products, one chained accumulator",
+    8: "16 (tile load, product) pairs",
+    9: "8 tile stores",
+    10: "16 tile loads from L2 (1 MB of k, v)",
 }
 
 

@@ -7,7 +7,10 @@
  * block; 3 P·V with the accumulators' tile loads and stores; 4 sixteen tile products alone (four independent
  * accumulators, no loads); 5 sixteen tile loads of k and v rows; 6 the sixteen products of 4, then the softmax
  * of 2, with no dependency between them: if the tile unit and the vector units overlapped, 6 would take about
- * the longer of 2 and 4, not their sum. */
+ * the longer of 2 and 4, not their sum. What single tile operations cost: 7 sixteen products chained on one
+ * accumulator (against 4's four: whether a product waits for the one before it); 8 sixteen (tile load, product)
+ * pairs, each loading the operand the last product read; 9 eight tile stores; 10 sixteen tile loads from k and
+ * v of 4,096 keys (1 MB: from L2, where one q tile over every key block would read them). */
 
 #include <time.h>
 
@@ -24,6 +27,8 @@ static uint16_t bench_bits(float x) {
     memcpy(&u, &x, 4);
     return (uint16_t)(u >> 16);
 }
+
+#define BENCH_L2_KEYS 4096
 
 #if HAVE_AMX
 /* parts 4 and 6: sixteen tile products, four chained on each of four accumulators, on whatever the tiles hold */
@@ -45,6 +50,8 @@ double vlm_amx_step_ns(int part, int reps) {
     const int64_t d = 64, dq = 64;
     static uint16_t q[16 * 64] __attribute__((aligned(64)));
     static uint16_t k[BENCH_KEYS * 64] __attribute__((aligned(64))), v[BENCH_KEYS * 64] __attribute__((aligned(64)));
+    static uint16_t kv2[2 * BENCH_L2_KEYS * 64] __attribute__((aligned(64))); /* part 10's k and v */
+    int64_t kv2_at = 0;
     static float Ot[4][64 * TR] __attribute__((aligned(64)));
     static __m512 S[KB];
     static __m512i P[KB / 2];
@@ -55,6 +62,7 @@ double vlm_amx_step_ns(int part, int reps) {
         v[i] = bench_bits((float)(rand_r(&seed) % 2001 - 1000) / 700.0f);
     }
     for (int i = 0; i < KB; i++) S[i] = _mm512_set1_ps((float)(i % 13) - 6.0f);
+    for (int64_t i = 0; i < 2 * BENCH_L2_KEYS * 64; i++) kv2[i] = k[i % (BENCH_KEYS * 64)];
     __m512 m[4], l[4];
     double best = 1e30;
     amx_config();
@@ -88,6 +96,25 @@ double vlm_amx_step_ns(int part, int reps) {
 #undef Ot
                 } else if (part == 4) {
                     products16();
+                } else if (part == 7) {
+                    for (int r = 0; r < 16; r++) _tile_dpbf16ps(0, 4, 6);
+                } else if (part == 8) {
+                    for (int r = 0; r < 16; r += 2) {
+                        _tile_loadd(7, k + r * 16 * 32, 64);
+                        _tile_dpbf16ps(0, 7, 4);
+                        _tile_loadd(7, k + (r + 1) * 16 * 32, 64);
+                        _tile_dpbf16ps(1, 7, 4);
+                    }
+                } else if (part == 9) {
+                    for (int r = 0; r < 8; r += 2) {
+                        _tile_stored(0, Ot[0] + (r & 3) * 256, 64);
+                        _tile_stored(1, Ot[0] + ((r + 1) & 3) * 256, 64);
+                    }
+                } else if (part == 10) {
+                    for (int r = 0; r < 16; r++) {
+                        _tile_loadd(7, kv2 + kv2_at, 64);
+                        kv2_at = (kv2_at + 16 * 32) % (2 * BENCH_L2_KEYS * 64);
+                    }
                 } else if (part == 5) {
                     for (int r = 0; r < 4; r++) {
                         _tile_loadd(4, kb + r * 16 * dq, dq * 2);

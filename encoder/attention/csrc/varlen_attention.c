@@ -906,22 +906,21 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
  * Tried and not kept (2026-12-05, the same kind of Xeon, in-process A/B of two builds, medians of 25, 2 threads):
  * - software-pipelined steps (step i + 1's scores issued before step i's P·V, its softmax after, so that neither
  *   round trip through memory, scores tile-stored then read, P stored then tile-loaded, waits on its own
- *   store): 2-5 % slower on 4 × 1,024 and 4,096 rows, the same outputs to the bit; with S and P double-buffered
- *   3-6 % slower. So the step does not wait on those round trips.
+ *   store): 2 % slower on 4 × 1,024 and 4,096 rows (64-row windows 4 % faster), the same outputs to the bit;
+ *   with S and P double-buffered 3-6 % slower. So the step does not wait on those round trips.
  * - a block's four tiles phase by phase (four scores, four softmaxes, four P·V: one switch between the tile
  *   unit and the vector units where there were four): 9-13 % slower; its S and P take 18 KB more of L1, where
  *   a unit's q tiles, accumulators and one k/v block already take ~46 of 48 KB.
  * - each q tile over every key block before the next (t outer): 7 % slower on 4,096 rows (k and v then come
  *   from L2 at every step); the tiles in pairs over the key blocks: 1-3 % faster, within the noise.
- * - tile loads and stores are what the step's tile half waits on: 24 tile loads (24 KB) and 8 stores (8 KB)
- *   a step against 16 products of 5.7 ns (benchmarks/amx_step.py: 16 loads of k and v alone 53 ns). Keeping the
- *   accumulators in tiles across key blocks (tiles 0-3, q's halves resident in 4-5, the scores 16 keys at a
- *   time in 6, k, v and P through 7) was estimated from a standalone tile bench and not built: 16 products on
- *   one chained accumulator take the same 75 ns as on four (no latency to hide), and a tile load before each
- *   product costs 92 ns in all whether the operand tile alternates or not, so the tile half of a step would
- *   fall from ~140 to ~95 ns; but one q tile over every key block reads k and v from L2 at every step, and 16
- *   tile loads streamed from L2 take 95 ns against 38 from L1 (123 against 92 with the products), which
- *   eats the gain. Tile stores are the dearest tile operation: 8 take 35 ns. */
+ * - tile loads and stores are what the step's tile half waits on: 24 tile loads (24 KB) and 8 stores (8 KB) a
+ *   step against 16 products (benchmarks/amx_step.py, parts 7-10, 2026-12-05: 16 products 76-80 ns on one chained
+ *   accumulator or four, the same 16 each after a tile load of its operand 76 ns, 8 tile stores 35 ns, 16 tile
+ *   loads of k and v 51 ns from 256 KB of them and 92 ns from 1 MB). Keeping the accumulators in tiles across
+ *   key blocks (tiles 0-3, q's halves resident in 4-5, the scores 16 keys at a time in 6, k, v and P through 7)
+ *   would take the tile half of a step from ~140 to ~95 ns by these figures, but one q tile over every key
+ *   block reads k and v from the whole segment at every step (1 MB for 4,096 rows at head dim 64), which eats
+ *   the gain: estimated, not built. */
 static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
                             int64_t base) {
     const int64_t d = j->d, dq = j->dq, tiles = (rows + TR - 1) / TR;
