@@ -74,8 +74,8 @@ class TrainConfig:
     # `benchmarks/demo_eval.py --levels 0`: count 80.5 %, number 78.0 %, describe 80.5 %, colour and shape 100 %,
     # against 74.0, 74.5 and 83.0 % for the 850-step model (4-digit numbers 25/46 against 17/46; fives 27/42
     # against 19/42, sixes 27/31 against 18/31); on a second set (--seed 20001) 82.0 / 80.0 / 83.5 % against
-    # 76.0 / 72.5 / 82.0 %. The longer phase costs ~6 minutes more where a whole-model step
-    # runs at ~15 images/s (a Zen 4 EPYC's default run took 43.1 minutes with 850): there the run passes 45.
+    # 76.0 / 72.5 / 82.0 %. The longer phase costs ~6 minutes more where a whole-model step runs at ~15 images/s
+    # (a Zen 4 EPYC's default run took 43.1 minutes with 850): there the run passes 45.
     steps: int = 1200
     batch_images: int = 16
     lr: float = 1e-3

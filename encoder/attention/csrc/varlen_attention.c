@@ -912,7 +912,7 @@ static inline void amx_step(const uint16_t *qt, const uint16_t *kb, const uint16
  *   unit and the vector units where there were four): 9-13 % slower; its S and P take 18 KB more of L1, where
  *   a unit's q tiles, accumulators and one k/v block already take ~46 of 48 KB.
  * - each q tile over every key block before the next (t outer): 7 % slower on 4,096 rows (k and v then come
- *   from L2 at every step); the tiles in pairs over the key blocks: 1-3 % faster, within the noise.
+ *   from L2 at every step); the tiles in pairs over the key blocks: 0-3 % faster, within the noise.
  * - tile loads and stores are what the step's tile half waits on: 24 tile loads (24 KB) and 8 stores (8 KB) a
  *   step against 16 products (benchmarks/amx_step.py, parts 7-10, 2026-12-05: 16 products 76-80 ns on one chained
  *   accumulator or four, the same 16 each after a tile load of its operand 76 ns, 8 tile stores 35 ns, 16 tile
@@ -952,7 +952,7 @@ static void attend_unit_amx(const job_t *j, int64_t s, int64_t h, int64_t r0, in
  * windows are 3 % of the tower's attention FLOPs and 14 % of its attention time. Tried and not kept, same
  * windows, two threads, L2 flushed before each call: the next segment's rows (64, 128 or 192 of them)
  * prefetched a slice per head while this one is attended, 10-18 % slower; the rotary rows prefetched with this
- * window's rows, ~45 % slower (two runs; not understood); no prefetch, ~50 % slower. */
+ * window's rows, 47-52 % slower (two runs; not understood); no prefetch, 41-52 % slower. */
 static void attend_short_amx(const job_t *j, int64_t s) {
     const int64_t d = j->d, dq = j->dq, len = j->cu[s + 1] - j->cu[s], tiles = (len + TR - 1) / TR;
     uint16_t qb[QB * SHORT_DQ] __attribute__((aligned(64))), kb[QB * SHORT_DQ] __attribute__((aligned(64)));
