@@ -144,6 +144,20 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="steps between held-out accuracy checks, 0 for none (default: %(default)s)",
     )
     p.add_argument(
+        "--frozen-tower-blocks",
+        type=int,
+        default=t("frozen_tower_blocks"),
+        help="second phase: the patch embedding and this many of the lowest vision blocks keep the first "
+        "phase's weights (default: %(default)s)",
+    )
+    p.add_argument(
+        "--decoder-attention",
+        choices=("sdpa", "math"),
+        default=t("decoder_attention"),
+        help="second phase: the decoder's attention through torch's SDPA or as matmuls with a float32 "
+        "softmax (default: %(default)s)",
+    )
+    p.add_argument(
         "--tower-snapshot",
         metavar="DIR",
         help="keep the tower phase's result in DIR; a later run with the same phase-1 settings starts the "
@@ -170,6 +184,8 @@ def train_demo_config(args: argparse.Namespace):
         batch_images=args.batch_images,
         eval_every=args.eval_every,
         compute_dtype=args.compute_dtype,
+        frozen_tower_blocks=args.frozen_tower_blocks,
+        decoder_attention=args.decoder_attention,
     )
 
 

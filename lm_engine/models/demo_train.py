@@ -129,6 +129,12 @@ class TrainConfig:
     # recipe's spread from one tower phase to another (count 70.5 against 74.0 % at weight 0 on the two
     # machines): off it stays.
     pointer_weight: float = 0.0
+    # phase 2: the patch embedding and the lowest ``frozen_tower_blocks`` vision blocks keep phase 1's weights
+    # (no gradient, and no backward pass below the first block that trains); 0 trains the whole tower.
+    frozen_tower_blocks: int = 0
+    # phase 2: the decoder's attention, "sdpa" (torch's) or "math" (``math_attention``: the same function as
+    # matmuls with a float32 softmax, faster on these short rows).
+    decoder_attention: str = "sdpa"
     eval_every: int = 400
     eval_per_task: int = 40
     eval_fraction: float = 1.0  # the held-out check's budget, as a fraction of max_pixels
@@ -669,7 +675,33 @@ def start_from_edge_filters(tower: torch.nn.Module) -> None:
             mlp.fc2.weight[n + k, 2 * k : 2 * k + 2] = 1.0 / gain
 
 
-def build_model(seed: int, filter_init: bool = True) -> torch.nn.Module:
+def math_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The decoder's attention as two matmuls and a float32 softmax (``TrainConfig.decoder_attention``
+    "math"), in transformers' attention-function form: query [b, heads, L, d], key and value [b, kv_heads, L,
+    d], ``attention_mask`` [b, 1, L, L] bool (True: may attend; ``block_mask``); returns ([b, L, heads, d],
+    None). Each kv head serves its group of query heads without a repeated copy of the keys."""
+    b, heads, length, d = query.shape
+    kv = key.shape[1]
+    q = query.reshape(b, kv, heads // kv * length, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float().view(b, kv, heads // kv, length, -1) * scaling
+    scores = scores.masked_fill(~attention_mask[:, :, None], float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(value.dtype).view(b, kv, heads // kv * length, -1)
+    out = torch.matmul(p, value).view(b, heads, length, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+MATH_ATTENTION = "vlmserve_math"
+
+
+def build_model(seed: int, filter_init: bool = True, decoder_attention: str = "sdpa") -> torch.nn.Module:
     import transformers
 
     config = build_config(PRESET)
@@ -682,8 +714,31 @@ def build_model(seed: int, filter_init: bool = True) -> torch.nn.Module:
     if filter_init:
         start_from_edge_filters(model.model.visual)
     train_fast(model.model.visual)
+    use_decoder_attention(model, decoder_attention)
     model.train()
     return model
+
+
+def use_decoder_attention(model: torch.nn.Module, name: str) -> None:
+    """The decoder's attention from here on: "sdpa" (torch's) or "math" (``math_attention``)."""
+    import transformers
+
+    if name not in ("sdpa", "math"):
+        raise ValueError(f"decoder_attention {name!r}: use sdpa or math")
+    if name == "math":
+        transformers.AttentionInterface.register(MATH_ATTENTION, math_attention)
+    model.model.language_model.config._attn_implementation = MATH_ATTENTION if name == "math" else "sdpa"
+
+
+def freeze_lower_tower(model: torch.nn.Module, blocks: int) -> None:
+    """Phase 2's ``frozen_tower_blocks``: the patch embedding and the lowest ``blocks`` vision blocks get no
+    gradient (AdamW then leaves them, weight decay included), so the backward pass stops above them."""
+    vision = model.model.visual
+    if not 0 <= blocks <= len(vision.blocks):
+        raise ValueError(f"frozen_tower_blocks {blocks}: the tower has {len(vision.blocks)} blocks")
+    if blocks:
+        for module in (vision.patch_embed, *vision.blocks[:blocks]):
+            module.requires_grad_(False)
 
 
 def train_fast(tower: torch.nn.Module) -> None:
@@ -1004,7 +1059,7 @@ def train(
         out, preset=PRESET, seed=cfg.seed
     )  # config, tokenizer, templates (weights replaced below)
     torch.set_num_threads(cfg.threads)
-    model = build_model(cfg.seed, cfg.filter_init)
+    model = build_model(cfg.seed, cfg.filter_init, cfg.decoder_attention)
     n_params = sum(p.numel() for p in model.parameters())
     aux = (
         AuxHeads(model.config.text_config.hidden_size, model.config.vision_config.embed_dim)
@@ -1052,6 +1107,7 @@ def train(
     # leaves every step's fixed costs (op dispatch, Python, AdamW over every parameter) whole in each process,
     # so the CPU time of the run was a third more than one thread alone's (2 x 120.7 against 179.9 s), which
     # ate most of the barriers' gain. Not kept (3 % for ~100 lines).
+    freeze_lower_tower(model, cfg.frozen_tower_blocks)
     loader = TrainBatches(out, cfg)
     phase2 = time.perf_counter()
     seen = 0
@@ -1101,6 +1157,8 @@ PHASE2_ONLY = frozenset(
         "lr",
         "count_weight",
         "pointer_weight",
+        "frozen_tower_blocks",
+        "decoder_attention",
         "eval_every",
         "eval_per_task",
         "eval_fraction",

@@ -31,13 +31,21 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
     out, kept = str(tmp_path / "ckpt"), str(tmp_path / "tower")
     flags = ["--seed", "3", "--tower-steps", "9", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
     flags += ["--compute-dtype", "float32", "--tower-snapshot", kept]
+    flags += ["--frozen-tower-blocks", "4", "--decoder-attention", "math"]
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
     assert calls == [
         (
             out,
             TrainConfig(
-                seed=3, tower_steps=9, steps=17, batch_images=5, eval_every=0, compute_dtype="float32"
+                seed=3,
+                tower_steps=9,
+                steps=17,
+                batch_images=5,
+                eval_every=0,
+                compute_dtype="float32",
+                frozen_tower_blocks=4,
+                decoder_attention="math",
             ),
             kept,
         ),

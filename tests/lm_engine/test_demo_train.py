@@ -13,7 +13,7 @@ import torch
 from lm_engine.models import demo_tasks as tasks
 from lm_engine.models import demo_train
 from lm_engine.models.demo_train import AttentionLayout, Encoder, make_batch
-from lm_engine.models.qwen2_vl_make import make_checkpoint
+from lm_engine.models.qwen2_vl_make import make_checkpoint, original_name
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,48 @@ def test_a_kept_tower_phase_gives_the_whole_runs_weights(tmp_path, monkeypatch):
         with pytest.raises(AssertionError, match="ran again"):
             weights("changed", changed, tower_snapshot=kept)
     assert demo_train.tower_phase_key(other_phase2) == demo_train.tower_phase_key(cfg)
+
+
+def test_frozen_tower_blocks_keep_phase_ones_weights(tmp_path):
+    """``frozen_tower_blocks``: phase 2 leaves the patch embedding and the lowest blocks at the weights the
+    tower phase gave them (weight decay included) and trains the blocks above; the setting is phase 2's alone
+    (a kept tower phase serves it)."""
+    from safetensors.torch import load_file
+
+    cfg = demo_train.TrainConfig(
+        tower_steps=2,
+        tower_batch_images=2,
+        steps=2,
+        batch_images=2,
+        eval_every=0,
+        eval_per_task=1,
+        frozen_tower_blocks=3,
+        decoder_attention="math",
+    )
+    kept = tmp_path / "tower"
+    out = demo_train.train(tmp_path / "run", cfg, log=lambda line: None, tower_snapshot=kept)
+    after = load_file(out / "model.safetensors")
+    phase1 = torch.load(kept / demo_train.SNAPSHOT_FILE, weights_only=True)["model"]
+    assert demo_train.tower_phase_key(cfg) == demo_train.tower_phase_key(
+        demo_train.TrainConfig(
+            tower_steps=2, tower_batch_images=2, steps=2, batch_images=2, eval_every=0, eval_per_task=1
+        )
+    )
+    frozen = ("model.visual.patch_embed.", *(f"model.visual.blocks.{i}." for i in range(3)))
+    checked = {"frozen": 0, "trained": 0}
+    for name, start in phase1.items():
+        saved = after[original_name(name)]
+        if name.startswith(frozen):
+            assert torch.equal(saved, start.to(saved.dtype)), name
+            checked["frozen"] += 1
+        elif (
+            name.startswith("model.visual.blocks.3.") and start.ndim == 2
+        ):  # a norm's ones move < bf16's step
+            assert not torch.equal(saved, start.to(saved.dtype)), name
+            checked["trained"] += 1
+    assert checked["frozen"] >= 3 * 8 and checked["trained"] >= 4, checked
+    with pytest.raises(ValueError, match="has 8 blocks"):
+        demo_train.freeze_lower_tower(demo_train.build_model(seed=0), 9)
 
 
 def test_attention_layout_places_every_token_once():
@@ -202,13 +244,15 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
     assert {k: defaults[k] for k in shipped} == shipped
 
 
-def test_shared_prefix_rows_compute_each_question_alone(encoder):
+@pytest.mark.parametrize("decoder_attention", ["sdpa", "math"])
+def test_shared_prefix_rows_compute_each_question_alone(encoder, decoder_attention):
     """A row holding an image's prefix once and each question's block after it gives every answer token the
     logits transformers' own forward gives that question as a sequence of its own (its 2-D padding mask and
-    the M-RoPE positions it computes itself), and the loss's gradient reaches the tower the same way."""
+    the M-RoPE positions it computes itself, through torch's SDPA), and the loss's gradient reaches the tower
+    the same way; with the decoder's attention as ``math_attention`` too."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    model = demo_train.build_model(seed=0)
+    model = demo_train.build_model(seed=0, decoder_attention=decoder_attention)
     # colour, shape and description; count and description; a number; sizes between budgets
     examples = [tasks.sample(9, i, kind) for i, kind in enumerate(("single", "many", "number", "single"))]
     budgets = [encoder.pre.max_pixels, encoder.pre.max_pixels // 4, encoder.pre.max_pixels // 2, 20_000]
@@ -243,6 +287,7 @@ def test_shared_prefix_rows_compute_each_question_alone(encoder):
         mask[row, : len(prompt) + len(answer)] = 1
         labels[row, len(prompt) - 1 : len(prompt) + len(answer) - 1] = torch.tensor(answer)
     image_of_seq = torch.tensor([i for i, *_ in seqs])
+    demo_train.use_decoder_attention(model, "sdpa")
     out = model.model(
         input_ids=ids,
         attention_mask=mask,
