@@ -131,6 +131,15 @@ class TrainConfig:
     pointer_weight: float = 0.0
     # phase 2: the patch embedding and the lowest ``frozen_tower_blocks`` vision blocks keep phase 1's weights
     # (no gradient, and no backward pass below the first block that trains); 0 trains the whole tower.
+    # NOTE: measured, not yet shipped (2026-12-05, a 2-vCPU Zen 4 EPYC with AVX512-BF16, flags avx512_bf16, no
+    # AMX). The default run there: 48.3 min (tower phase 27.1, a few minutes of niced tests beside its start;
+    # phase 2 21.2 at ~15 img/s): over the 45-minute bound. From that run's kept tower phase, phase 2 with
+    # frozen_tower_blocks 4, decoder_attention "math" and 1,700 steps: 23.5 min at ~19.6 img/s (so a whole
+    # run ~50.6 min there). `benchmarks/demo_eval.py --levels 0`, count / number / describe: seed 20000
+    # 84.5 / 86.5 / 85.5 % against that machine's default run 83.5 / 75.0 / 79.5 % (the shipped model
+    # 80.5 / 78.0 / 80.5); seed 20001 85.5 / 81.5 / 90.0 % against 81.0 / 77.0 / 82.5 % (shipped 82.0 /
+    # 80.0 / 83.5). 4-digit numbers 31/46 against 19/46. Shipping it needs a step count that fits 45 min
+    # (or more frozen blocks), quality_vs_budget through the server, and the shipped-model test's images.
     frozen_tower_blocks: int = 0
     # phase 2: the decoder's attention, "sdpa" (torch's) or "math" (``math_attention``: the same function as
     # matmuls with a float32 softmax, faster on these short rows).
