@@ -130,9 +130,8 @@ def test_frozen_tower_blocks_keep_phase_ones_weights(tmp_path):
         if name.startswith(frozen):
             assert torch.equal(saved, start.to(saved.dtype)), name
             checked["frozen"] += 1
-        elif (
-            name.startswith("model.visual.blocks.3.") and start.ndim == 2
-        ):  # a norm's ones move < bf16's step
+        # block 3's matrices must move; its norms' ones move less than bf16's step in two small steps
+        elif name.startswith("model.visual.blocks.3.") and start.ndim == 2:
             assert not torch.equal(saved, start.to(saved.dtype)), name
             checked["trained"] += 1
     assert checked["frozen"] >= 3 * 8 and checked["trained"] >= 4, checked
