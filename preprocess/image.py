@@ -69,11 +69,32 @@ def preprocess_into(
     """preprocess(), writing the patches into `alloc(shape)` (float32, C-contiguous)."""
     im, info = open_image(data, config)
     grid = plan_grid(info, config, max_pixels)
-    _, grid_h, grid_w = grid
-    size = (grid_h * config.patch_size, grid_w * config.patch_size)
-    rgb = decode_rgb(im, info, config, size)
-    resized = resize(rgb, size, config)
-    out = alloc((grid_h * grid_w, config.patch_dim))
+    rgb = decode_rgb(im, info, config, _target_size(grid, config))
+    return _patches(rgb, grid, config, alloc)
+
+
+def preprocess_picture(
+    rgb: Image.Image, config: PreprocessConfig, max_pixels: int | None = None
+) -> PixelPatches:
+    """preprocess() of a picture already in memory (RGB, upright), which is what a lossless file of it (PNG)
+    decodes to: the same grid, resize and patches, without encoding and decoding it. No limit checks: the
+    caller made the picture (``vlmserve train-demo`` draws its own)."""
+    if rgb.mode != "RGB":
+        raise ValueError(f"preprocess_picture takes an RGB picture, not {rgb.mode}")
+    w, h = rgb.size
+    grid = plan_grid(ImageInfo(width=w, height=h, format="", orientation=1, mode="RGB"), config, max_pixels)
+    return _patches(rgb, grid, config, lambda shape: np.empty(shape, dtype=np.float32))
+
+
+def _target_size(grid: tuple[int, int, int], config: PreprocessConfig) -> tuple[int, int]:
+    return grid[1] * config.patch_size, grid[2] * config.patch_size
+
+
+def _patches(
+    rgb: Image.Image, grid: tuple[int, int, int], config: PreprocessConfig, alloc: Allocator
+) -> PixelPatches:
+    resized = resize(rgb, _target_size(grid, config), config)
+    out = alloc((grid[1] * grid[2], config.patch_dim))
     normalize_patchify(resized, config, out)
     return PixelPatches(patches=out, grid_thw=grid)
 

@@ -90,6 +90,9 @@ class Example:
     # Each object's outline in image pixels, in the order of ``objects``: ("ellipse", (x0, y0, x1, y1)) or
     # ("polygon", ((x, y), ...)); a digit's is its ink box. Training draws per-patch coverage from them.
     outlines: tuple[tuple[str, tuple], ...] = ()
+    # ``sample(..., picture=True)``: the drawn picture itself where the file would be a PNG (whose pixels it
+    # is to the byte), and ``data`` empty; None otherwise.
+    picture: Image.Image | None = None
 
     def question(self, task: str) -> str:
         return QUESTIONS[task]
@@ -315,21 +318,35 @@ KINDS = ("single", "many", "number")  # the task set's kinds; "numbers" is train
 _MAKERS = {"single": _single, "many": _many, "number": _number, "numbers": _numbers}
 
 
-def sample(seed: int, index: int, kind: str | None = None, fmt: str | None = None) -> Example:
+def sample(
+    seed: int, index: int, kind: str | None = None, fmt: str | None = None, picture: bool = False
+) -> Example:
     """Example ``index`` of the task set with ``seed``; ``kind`` forces the image kind, ``fmt`` the encoding
-    (the same picture: "PNG" gives its exact pixels, which is how the tests measure what it shows)."""
+    (the same picture: "PNG" gives its exact pixels, which is how the tests measure what it shows).
+    ``picture``: a PNG example keeps the drawn picture instead of encoding it (``Example.picture``), for a
+    caller that would only decode the file again (training; a JPEG's pixels need the lossy round trip)."""
     rng = random.Random(f"vlmserve-demo:{seed}:{index}")
     kind = kind or rng.choice(KINDS)
     img, qa, objects, outlines = _MAKERS[kind](rng)
     drawn = "JPEG" if rng.random() < 0.5 else "PNG"
     fmt = fmt or drawn
+    kept = None
     buf = io.BytesIO()
     if fmt == "JPEG":
         img.save(buf, format="JPEG", quality=rng.randint(80, 95))
+    elif picture:
+        kept = img
     else:
         img.save(buf, format="PNG", compress_level=1)
     return Example(
-        kind=kind, data=buf.getvalue(), fmt=fmt, size=img.size, qa=qa, objects=objects, outlines=outlines
+        kind=kind,
+        data=buf.getvalue(),
+        fmt=fmt,
+        size=img.size,
+        qa=qa,
+        objects=objects,
+        outlines=outlines,
+        picture=kept,
     )
 
 

@@ -201,9 +201,12 @@ class Encoder:
         return [*self.tok.encode(text, add_special_tokens=False).ids, self.end]
 
     def pixels(self, ex: tasks.Example, max_pixels: int):
-        from preprocess.image import preprocess
+        from preprocess.image import preprocess, preprocess_picture
 
-        p = preprocess(ex.data, self.pre, max_pixels)
+        if ex.picture is not None:
+            p = preprocess_picture(ex.picture, self.pre, max_pixels)
+        else:
+            p = preprocess(ex.data, self.pre, max_pixels)
         return torch.from_numpy(p.patches), p.grid_thw
 
 
@@ -617,7 +620,9 @@ class TrainBatches:
             fraction = rng.choices(fractions, shares)[0]
             budget = max(enc.pre.min_pixels, int(enc.pre.max_pixels * fraction))
             examples = [
-                tasks.sample(self.cfg.seed, first + b * per_batch + j, rng.choices(kinds, weights)[0])
+                tasks.sample(
+                    self.cfg.seed, first + b * per_batch + j, rng.choices(kinds, weights)[0], picture=True
+                )
                 for j in range(per_batch)
             ]
             yield make_batch(enc, examples, [budget] * len(examples), sequences=not self.tower)

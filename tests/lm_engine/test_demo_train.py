@@ -17,8 +17,13 @@ from lm_engine.models.qwen2_vl_make import make_checkpoint, original_name
 
 
 @pytest.fixture(scope="module")
-def encoder(tmp_path_factory) -> Encoder:
-    return Encoder(make_checkpoint(tmp_path_factory.mktemp("demo"), preset=demo_train.PRESET, seed=0))
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("demo"), preset=demo_train.PRESET, seed=0)
+
+
+@pytest.fixture(scope="module")
+def encoder(checkpoint) -> Encoder:
+    return Encoder(checkpoint)
 
 
 def test_fast_tower_computes_transformers_tower(encoder):
@@ -53,6 +58,43 @@ def test_fast_tower_computes_transformers_tower(encoder):
     torch.testing.assert_close(f_patch, p_patch, rtol=1e-4, atol=5e-5)
     for f, p in zip(f_grads, p_grads):
         torch.testing.assert_close(f, p, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("sequences", [False, True])
+def test_training_batches_from_pictures_equal_batches_from_files(encoder, checkpoint, sequences, monkeypatch):
+    """Training draws its PNG examples as pictures (no encode, no decode): every tensor of a batch, tower
+    phase's and whole model's, equals the one made from the examples' files, PNG and JPEG alike."""
+    kinds = ("single", "many", "number", "numbers") if not sequences else tasks.KINDS
+    files = [tasks.sample(11, i, kinds[i % len(kinds)]) for i in range(12)]
+    drawn = [tasks.sample(11, i, kinds[i % len(kinds)], picture=True) for i in range(12)]
+    pngs = [ex.fmt == "PNG" for ex in files]
+    assert any(pngs) and not all(pngs)
+    assert [ex.picture is not None for ex in drawn] == pngs
+    assert all(ex.data for ex, png in zip(drawn, pngs) if not png) and not any(ex.picture for ex in files)
+    for budget in (encoder.pre.max_pixels, encoder.pre.min_pixels):
+        a = make_batch(encoder, files, [budget] * 12, sequences=sequences)
+        b = make_batch(encoder, drawn, [budget] * 12, sequences=sequences)
+        flat_a, flat_b = _tensors(a), _tensors(b)
+        assert flat_a.keys() == flat_b.keys()
+        for key, tensor in flat_a.items():
+            assert torch.equal(tensor, flat_b[key]), key
+    # and training asks for pictures, in both phases
+    asked = []
+    sample = tasks.sample
+    monkeypatch.setattr(tasks, "sample", lambda *a, **kw: asked.append(kw.get("picture")) or sample(*a, **kw))
+    cfg = demo_train.TrainConfig(steps=1, batch_images=4, tower_steps=1, tower_batch_images=4)
+    assert next(iter(demo_train.TrainBatches(checkpoint, cfg, tower=not sequences)))["grid_thw"].shape[0] == 4
+    assert asked == [True] * 4
+
+
+def _tensors(batch: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            out |= _tensors(value, f"{prefix}{key}.")
+        else:
+            out[prefix + key] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    return out
 
 
 def test_a_kept_tower_phase_gives_the_whole_runs_weights(tmp_path, monkeypatch):

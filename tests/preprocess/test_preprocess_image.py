@@ -66,6 +66,21 @@ def test_max_pixels_matches_transformers(max_pixels, make_image, config, hf_refe
     assert ours.grid_thw == plan_grid(probe(data), config, max_pixels)
 
 
+@pytest.mark.parametrize("size", [(37, 81), (333, 517), (1000, 60)])
+@pytest.mark.parametrize("max_pixels", [None, 28 * 28 * 16])
+def test_a_picture_in_memory_gives_its_pngs_patches(size, max_pixels, make_image, config, hf_reference):
+    """preprocess_picture(picture) is preprocess() of the picture's PNG file, to the bit, and so transformers'."""
+    data = make_image("png", *size, seed=5)
+    picture = Image.open(io.BytesIO(data)).convert("RGB")
+    ours = image_mod.preprocess_picture(picture, config, max_pixels)
+    from_file = preprocess(data, config, max_pixels)
+    assert ours.grid_thw == from_file.grid_thw
+    assert np.array_equal(ours.patches, from_file.patches)
+    assert_matches(ours, hf_reference(data, config, max_pixels))
+    with pytest.raises(ValueError, match="RGB"):
+        image_mod.preprocess_picture(picture.convert("L"), config)
+
+
 @pytest.mark.parametrize("resample", ["bicubic", "bilinear", "nearest", "lanczos"])
 def test_torchvision_backend_is_bit_identical(resample, hf_reference):
     """Not just within TOL: we hand torch a channels-last view where transformers passes a
