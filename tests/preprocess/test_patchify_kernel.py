@@ -100,7 +100,8 @@ def test_every_pixel_value():
 
 def test_bad_arguments_raise():
     hwc = _pixels(56, 56, seed=5)
-    out = np.empty((16, DEFAULT.patch_dim), dtype=np.float32)
+    # zeros, not empty: out.astype(np.float64) below casts whatever the memory held (NaN bit patterns warn)
+    out = np.zeros((16, DEFAULT.patch_dim), dtype=np.float32)
     with pytest.raises(ValueError, match="multiples of patch x merge"):  # 42 is no multiple of 28
         normalize_patchify(hwc[:42], DEFAULT, np.empty((12, DEFAULT.patch_dim), dtype=np.float32))
     with pytest.raises(ValueError, match="output"):
