@@ -60,7 +60,7 @@ class PixelPatches:
 
 def preprocess(data: bytes, config: PreprocessConfig, max_pixels: int | None = None) -> PixelPatches:
     """Encoded image → pixel patches. `max_pixels` is the request's visual budget (None: config's)."""
-    return preprocess_into(data, config, max_pixels, lambda shape: np.empty(shape, dtype=np.float32))
+    return preprocess_into(data, config, max_pixels, _new_array)
 
 
 def preprocess_into(
@@ -83,7 +83,12 @@ def preprocess_picture(
         raise ValueError(f"preprocess_picture takes an RGB picture, not {rgb.mode}")
     w, h = rgb.size
     grid = plan_grid(ImageInfo(width=w, height=h, format="", orientation=1, mode="RGB"), config, max_pixels)
-    return _patches(rgb, grid, config, lambda shape: np.empty(shape, dtype=np.float32))
+    return _patches(rgb, grid, config, _new_array)
+
+
+def _new_array(shape: tuple[int, int]) -> np.ndarray:
+    """The allocator of preprocess() and preprocess_picture(): a fresh float32 array."""
+    return np.empty(shape, dtype=np.float32)
 
 
 def _target_size(grid: tuple[int, int, int], config: PreprocessConfig) -> tuple[int, int]:
