@@ -274,12 +274,9 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
 
     shipped = json.loads((demo.SHIPPED / "demo_training.json").read_text())["train_config"]
     defaults = json.loads(json.dumps(dataclasses.asdict(demo_train.TrainConfig())))
-    # knobs added since, at the value that leaves the shipped recipe as it was
-    off = {"pointer_weight": 0.0, "frozen_tower_blocks": 0, "decoder_attention": "sdpa"}
-    assert {k: v for k, v in defaults.items() if k not in shipped} == {
-        k: v for k, v in off.items() if k not in shipped
-    }
-    assert {k: defaults[k] for k in shipped} == shipped
+    # a knob added later fails this until a shipped run records it: compare it apart until then, at the value
+    # that leaves the shipped recipe as it was
+    assert defaults == shipped
 
 
 @pytest.mark.parametrize("decoder_attention", ["sdpa", "math"])
