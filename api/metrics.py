@@ -52,7 +52,7 @@ class _EngineCollector(Collector):
                 s.visual_level,
             ),
             "admission_overloaded": (
-                "1 while admission control refuses new work: the lowest visual budget cannot keep the TTFT SLO.",
+                "1 while admission control refuses new work: the queue ahead would take longer than the TTFT SLO.",
                 float(s.overloaded),
             ),
             "queue_expected_wait_seconds": (

@@ -1,8 +1,9 @@
 """Admission control: whether new work is taken on, for the offline engine and the server alike.
 
-Two reasons refuse a request: the load controller found that even the lowest visual budget cannot serve
-the queue within the TTFT target (its verdict is published as an ``AdmissionState`` after each step), or the
-queue of requests submitted but not yet scheduled is at its bounds. A request admitted holds a ``Ticket``
+Two reasons refuse a request: the load controller found that the prefill work already queued takes longer
+than the TTFT target, so no visual budget for the new request's images could keep it (its verdict is
+published as an ``AdmissionState`` after each step), or the queue of requests submitted but not yet
+scheduled is at its bounds. A request admitted holds a ``Ticket``
 on the queue counts until the scheduler first runs it or it ends, whichever comes first.
 """
 
@@ -30,7 +31,7 @@ class AdmissionState:
     next one's, never a mix. It can be one step old; a decision on it is no less right than one a step earlier.
     """
 
-    overloaded: bool = False  # even the lowest visual budget cannot serve the queue within the TTFT SLO
+    overloaded: bool = False  # the queued prefill work takes longer than the TTFT SLO
     retry_after_s: float = 1.0  # the expected time to drain what is queued (≥ 1 s)
     reason: str | None = None  # why new work is refused, when overloaded
     expected_wait_s: float | None = None  # of the queued prefill work, None until throughput is measured

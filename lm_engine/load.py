@@ -85,7 +85,7 @@ class LoadControl:
         reason = None
         if vb.saturated:
             reason = (
-                f"even the lowest visual budget leaves {wait:.1f} s of queued work, over the "
+                f"{wait:.1f} s of queued work is ahead of a new request, over the "
                 f"{vb.ttft_slo_s:.1f} s time-to-first-token target"
             )
         self.admission.state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)

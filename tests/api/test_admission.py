@@ -129,16 +129,16 @@ def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetche
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(client.post, CHAT_PATH, json=CHAT)
             assert stall.entered.wait(WAIT_S)
-            # What the controller's update would publish at the floor with too much queued (the step in
-            # progress publishes again only when it ends).
+            # What the controller's update would publish with too much queued (the step in progress
+            # publishes again only when it ends).
             engine.admission.state = AdmissionState(
-                True, 4.2, "even the lowest visual budget leaves 9 s", 9.0
+                True, 4.2, "9.0 s of queued work is ahead of a new request", 9.0
             )
             resp = post_while_stalled(client, stall, WITH_IMAGE)
             assert first.result().status_code == 200  # admitted before: never dropped
         assert_overloaded(resp, retry_after=5)
         assert fetches == []
-        assert "lowest visual budget" in resp.json()["error"]["message"]
+        assert "9.0 s of queued work is ahead" in resp.json()["error"]["message"]
         # The step's end published the real state: an idle engine refuses nothing.
         assert not engine.admission.state.overloaded
         assert client.post(CHAT_PATH, json=WITH_IMAGE).status_code == 200

@@ -216,7 +216,7 @@ def test_engine_config_takes_a_visual_level_only_under_a_fixed_budget():
         EngineConfig("m", visual_budget="fixed", visual_level=-1)
 
 
-def test_saturated_when_even_the_lowest_level_cannot_drain_the_queue_in_time():
+def test_saturated_while_the_queue_ahead_takes_longer_than_the_slo():
     clock = Clock()
     c = controller(clock)  # SLO 1 s; shedding stops once the wait is under 0.75 s
     slow = sig(queued=500, rate=100.0)  # 5 s of queue
@@ -243,17 +243,28 @@ def test_saturated_when_even_the_lowest_level_cannot_drain_the_queue_in_time():
     assert not fixed.saturated
 
 
-def test_saturation_waits_for_the_floor():
-    # Above the floor, lowering the level is the answer, not refusing work.
+def test_saturation_does_not_wait_for_the_floor():
+    # A queue that already takes longer than the SLO is refused at once, at any level: no budget for the
+    # new request's images shortens the work ahead of it. The level steps down meanwhile, one dwell at a
+    # time, so what is admitted later costs less.
     clock = Clock()
-    c = controller(clock)
+    c = controller(clock)  # SLO 1 s, dwell 1 s
+    clock.t += 0.1
+    c.update(sig(queued=500, rate=100.0))  # 5 s of queue
+    assert c.level == 0 and c.saturated
     seen = []
     for _ in range(40):
         clock.t += 0.1
         c.update(sig(queued=500, rate=100.0))
         seen.append((c.level, c.saturated))
-    assert all(level == c.lowest for level, sat in seen if sat)
+    assert all(sat for _, sat in seen)
+    assert [level for level, _ in seen] == sorted(level for level, _ in seen)  # stepping down only
     assert seen[-1] == (c.lowest, True)
+    # Over the queue's share of the SLO but within the SLO itself (0.8 s): lowering the level is the
+    # answer, not refusing work.
+    c2 = controller(clock)
+    levels = run(c2, clock, sig(queued=80, rate=100.0), 4.0)
+    assert levels[-1] == c2.lowest and not c2.saturated
 
 
 def test_ladder_and_ttft_window():
