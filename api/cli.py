@@ -400,6 +400,13 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
         "--ttft-slo-ms", type=float, default=e("ttft_slo_ms"), help="time-to-first-token target under load"
     )
     g.add_argument(
+        "--slo-admission",
+        action=argparse.BooleanOptionalAction,
+        default=e("slo_admission"),
+        help="refuse new requests (503 with Retry-After) while the prefill work queued ahead would take longer "
+        "than --ttft-slo-ms (default: with --visual-budget adaptive only)",
+    )
+    g.add_argument(
         "--tpot-slo-ms",
         type=float,
         default=e("tpot_slo_ms"),
@@ -438,6 +445,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             visual_budget=args.visual_budget,
             visual_level=args.visual_level,
             ttft_slo_ms=args.ttft_slo_ms,
+            slo_admission=args.slo_admission,
             tpot_slo_ms=args.tpot_slo_ms,
             max_queued_requests=args.max_queued_requests,
             max_queued_tokens=args.max_queued_tokens,

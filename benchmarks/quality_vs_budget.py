@@ -14,8 +14,9 @@ against visual tokens, one line per task).
 
 **Overload** (``overload.*``): ``benchmarks/visual_budget.py``'s set-up with the task set as the trace: a
 closed-loop calibration on a fixed-budget server measures the sustainable rate, then the same Poisson trace at
-``--overload-factor`` (2) × that rate goes to a freshly started ``--visual-budget fixed`` server and to an
-``adaptive`` one. Every reply is scored: goodput (requests/s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``),
+``--overload-factor`` (2) × that rate goes to a freshly started ``--visual-budget fixed`` server, to a fixed
+one with admission control by the TTFT SLO (``fixed+admission``: ``--slo-admission``, what refusing work alone
+buys) and to an ``adaptive`` one (the ladder and that admission control). Every reply is scored: goodput (requests/s within ``--slo-ttft-ms`` and ``--slo-tpot-ms``),
 **correct answers per second within the SLOs**, and the accuracy of the answered requests (per level seen).
 
     .venv/bin/python benchmarks/quality_vs_budget.py                    # both parts, the embedded demo model
@@ -63,7 +64,14 @@ from benchmarks.serve_compare import (  # noqa: E402
     settled_metrics,
     vlmserve_here_argv,
 )
-from benchmarks.visual_budget import level_counts, measured_run, plot_levels, run_table, server_extra  # noqa: E402
+from benchmarks.visual_budget import (  # noqa: E402
+    BUDGETS,
+    level_counts,
+    measured_run,
+    plot_levels,
+    run_table,
+    server_extra,
+)
 from lm_engine.models import demo_tasks  # noqa: E402
 from lm_engine.models.demo_tasks import Example, normalize  # noqa: E402
 
@@ -604,9 +612,13 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         summaries.append(s)
         recs[budget] = res.records
 
+    # adaptive against each other run: "goodput", "correct_within_slo_per_s" against fixed (as before the
+    # fixed+admission run existed), "<key> vs fixed+admission" against that one
     ratios = {}
-    if "fixed" in runs and "adaptive" in runs:
-        f, a = runs["fixed"], runs["adaptive"]
+    for base in (b for b in runs if b != "adaptive"):
+        if "adaptive" not in runs:
+            break
+        f, a = runs[base], runs["adaptive"]
         for key, fx, ax in (
             ("goodput", f["summary"]["goodput"], a["summary"]["goodput"]),
             (
@@ -615,7 +627,8 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
                 a["quality"]["correct_within_slo_per_s"],
             ),
         ):
-            ratios[key] = ax / fx if fx else (float("inf") if ax else None)
+            name = key if base == "fixed" else f"{key} vs {base}"
+            ratios[name] = ax / fx if fx else (float("inf") if ax else None)
     quick = " [QUICK]" if args.quick else ""
     how = f"(calibrated: {calib['mode']}, {calib['requests']} requests)" if calib else "(given)"
     header = (
@@ -630,11 +643,13 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
 
     def ratio(key: str) -> str:
         r = ratios.get(key)
-        return "∞ (fixed: none)" if r == float("inf") else _fmt(r) + "×"
+        return "∞ (the other: none)" if r == float("inf") else _fmt(r) + "×"
 
-    ratio_line = (
-        f"adaptive / fixed: goodput {ratio('goodput')}, correct answers per second within the SLOs "
-        f"{ratio('correct_within_slo_per_s')}"
+    ratio_line = "\n\n".join(
+        f"adaptive / {base}: goodput {ratio('goodput' + suffix)}, correct answers per second within the SLOs "
+        f"{ratio('correct_within_slo_per_s' + suffix)}"
+        for base, suffix in (("fixed", ""), ("fixed+admission", " vs fixed+admission"))
+        if base in runs and "adaptive" in runs
     )
     meters = {k: v["cpu"] for k, v in runs.items()}
     print(
@@ -737,7 +752,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--no-server-tpot", action="store_true", help="do not pass --slo-tpot-ms as --tpot-slo-ms")
     g.add_argument("--max-queued-requests", type=int, help="passed to both servers")
     g.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
-    g.add_argument("--budgets", default="fixed,adaptive", help="which runs, in order")
+    g.add_argument(
+        "--budgets",
+        default="fixed,fixed+admission,adaptive",
+        help="which runs, in order (fixed+admission: a fixed budget with --slo-admission)",
+    )
     g.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
     p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "quality_vs_budget"))
@@ -749,7 +768,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.calib_n = args.calib_n or (12 if args.quick else 480)
     args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if bad := set(args.budgets) - {"fixed", "adaptive"}:
+    if bad := set(args.budgets) - set(BUDGETS):
         p.error(f"unknown budgets {sorted(bad)}")
     return args
 

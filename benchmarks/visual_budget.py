@@ -102,8 +102,16 @@ async def measured_run(
     return res, summarize_run(res, slo_ttft_ms, slo_tpot_ms), samples
 
 
+# What --budgets may name: the server's two visual budgets, and a fixed one with admission control by the
+# TTFT SLO (--slo-admission, on by default only with adaptive): what refusing work alone buys, without the ladder.
+BUDGETS = ("fixed", "fixed+admission", "adaptive")
+
+
 def server_extra(args: argparse.Namespace, budget: str) -> list[str]:
-    extra = ["--visual-budget", budget, "--ttft-slo-ms", f"{args.server_ttft_slo_ms:g}"]
+    mode, _, admission = budget.partition("+")
+    extra = ["--visual-budget", mode, "--ttft-slo-ms", f"{args.server_ttft_slo_ms:g}"]
+    if admission:
+        extra.append("--slo-admission")
     if args.slo_tpot_ms and not args.no_server_tpot:
         extra += ["--tpot-slo-ms", f"{args.slo_tpot_ms:g}"]  # both runs: prefill beside streams fits the SLO
     if args.max_queued_requests is not None:
@@ -414,7 +422,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.calib_n = args.calib_n or (12 if args.quick else 24)
     args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
     args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if bad := set(args.budgets) - {"fixed", "adaptive"}:
+    if bad := set(args.budgets) - set(BUDGETS):
         p.error(f"unknown budgets {sorted(bad)}")
     return args
 

@@ -58,6 +58,10 @@ class EngineConfig:
     # lowest. Pins a budget for an operator or a quality measurement.
     visual_level: int = 0
     ttft_slo_ms: float = 2000.0
+    # Refuse new work while the prefill work queued ahead of it would take longer than ttft_slo_ms (a request
+    # admitted then would only miss its target). None: with an adaptive visual budget only, so a "fixed" one
+    # is the plain baseline unless asked.
+    slo_admission: bool | None = None
     # Per-output-token target: while requests decode, a step carries only the prefill that fits this time at
     # the measured prefill rate (a long prefill chunk stalls every stream for its length). None: no cap.
     tpot_slo_ms: float | None = None

@@ -39,6 +39,7 @@ class LoadControl:
             dwell_s=config.budget_dwell_s,
             enabled=config.visual_budget == "adaptive",
             fixed_level=config.visual_level,
+            shed=config.slo_admission,
             clock=clock,
         )
         self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s, clock=clock)

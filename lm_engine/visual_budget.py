@@ -57,6 +57,7 @@ class VisualBudgetController:
     shed_low: float = 0.75  # saturated until the expected wait falls below this share of the SLO
     enabled: bool = True
     fixed_level: int = 0  # what detail="auto" gets while disabled (0 = full resolution)
+    shed: bool | None = None  # whether ``saturated`` refuses new work; None: while ``enabled``
     clock: Callable[[], float] = time.monotonic
     level: int = 0
     pressure: float = 0.0
@@ -138,6 +139,7 @@ class VisualBudgetController:
                 self._set(level, now)
             self._idle_since = None
         p = self.pressure = self.compute_pressure(signals)
+        self._saturated = self._shed(signals.expected_wait_s)
         if not self.enabled:
             return self.level
         if p > self.high:
@@ -159,7 +161,6 @@ class VisualBudgetController:
             and now - self._below_since >= self.dwell_s
         ):
             self._set(self.level - 1, now)
-        self._saturated = self._shed(signals.expected_wait_s)
         return self.level
 
     def _shed(self, wait: float | None) -> bool:
@@ -175,7 +176,7 @@ class VisualBudgetController:
     @property
     def saturated(self) -> bool:
         """The queue ahead of a new request takes longer than the SLO: admitting it would only miss it."""
-        return self.enabled and self._saturated
+        return (self.enabled if self.shed is None else self.shed) and self._saturated
 
     def _set(self, level: int, now: float) -> None:
         # NOTE: pressure seen past the threshold that moved the level counts from the change on, so with

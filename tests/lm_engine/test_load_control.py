@@ -98,6 +98,10 @@ SLOW_STEP_S = 0.2  # virtual seconds per step: four dwells
 
 @pytest.fixture(scope="module")
 def slow_burst(tiny_ckpt) -> SlowBurst:
+    return run_slow_burst(tiny_ckpt)
+
+
+def run_slow_burst(tiny_ckpt, **config) -> SlowBurst:
     # Two levels, so the first step down reaches the floor; a 50 ms dwell, far shorter than a step.
     clock = VirtualClock()
     engine = adaptive_engine(
@@ -107,6 +111,7 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
         visual_ladder=(448 * 448, 56 * 56),
         budget_dwell_s=0.05,
         ttft_slo_ms=1e6,
+        **config,
     )
     paced(engine, clock, SLOW_STEP_S)
     for i in range(3):  # prompts like the burst's, 2 full steps of them: the prefill rate is measured
@@ -187,6 +192,24 @@ def test_saturation_refuses_new_work_fast_and_keeps_admitted_work(slow_burst):
     # Nothing admitted was dropped.
     assert sorted(run.outputs) == sorted(f"r{i}" for i in range(BURST))
     assert all(o.outputs[0].finish_reason == "length" for o in run.outputs.values())
+
+
+@pytest.mark.parametrize(
+    "visual_budget, slo_admission, refuses",
+    [("fixed", None, False), ("fixed", True, True), ("adaptive", False, False)],
+)
+def test_admission_by_the_slo_follows_its_own_setting(tiny_ckpt, visual_budget, slo_admission, refuses):
+    """``slo_admission``: None refuses over the SLO with an adaptive budget only (the fixed one is the plain
+    baseline); True adds it to a fixed budget, False takes it from an adaptive one. Nothing admitted is lost."""
+    run = run_slow_burst(tiny_ckpt, visual_budget=visual_budget, slo_admission=slo_admission)
+    states = [state for *_, state in run.trace]
+    assert any(s.overloaded for s in states) is refuses
+    assert (run.refused is not None) is refuses
+    if visual_budget == "fixed":
+        assert all(level == 0 for level, *_ in run.trace)  # the ladder never moves
+    else:
+        assert any(level > 0 for level, *_ in run.trace)
+    assert sorted(run.outputs) == sorted(f"r{i}" for i in range(BURST))
 
 
 def test_detail_low_and_high_ignore_the_controller(tiny_ckpt):

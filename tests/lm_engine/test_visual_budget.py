@@ -241,6 +241,15 @@ def test_saturated_while_the_queue_ahead_takes_longer_than_the_slo():
     fixed = controller(clock, enabled=False)
     run(fixed, clock, slow, 6.0)
     assert not fixed.saturated
+    # unless asked to (a fixed budget with admission by the SLO), and an adaptive one may be told not to
+    fixed_shedding = controller(clock, enabled=False, shed=True)
+    fixed_shedding.update(sig(queued=500, rate=100.0))
+    assert fixed_shedding.saturated and fixed_shedding.level == 0
+    fixed_shedding.update(sig(queued=70, rate=100.0))
+    assert not fixed_shedding.saturated
+    never = controller(clock, shed=False)
+    run(never, clock, slow, 6.0)
+    assert never.level == never.lowest and not never.saturated
 
 
 def test_saturation_does_not_wait_for_the_floor():
