@@ -180,17 +180,18 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stop
 
     # -- the asyncio side ----------------------------------------------------------------------------------
-    def check_admission(self, num_tokens: int = 0) -> None:
-        """Raise EngineOverloaded if new work of ``num_tokens`` prompt tokens must be refused; never waits on
-        the engine thread. Call it before any work on a request (media, preprocessing) with 0 tokens."""
-        self.engine.admission.check(num_tokens)
+    def check_admission(self, num_tokens: int = 0, client_key: str = "") -> None:
+        """Raise EngineOverloaded if new work of ``num_tokens`` prompt tokens from ``client_key`` must be
+        refused; never waits on the engine thread. Call it before any work on a request (media,
+        preprocessing) with 0 tokens."""
+        self.engine.admission.check(num_tokens, client_key)
 
     async def add_request(
         self, request_id: str, prompt: PromptInputs, params: SamplingParams, client_key: str = ""
     ) -> RequestStream:
         """Submit a request; returns once the engine accepted it. Raises EngineOverloaded at once when
         admission control refuses it, InputError if the engine refused it."""
-        ticket = self.engine.admission.admit(len(prompt.token_ids))
+        ticket = self.engine.admission.admit(len(prompt.token_ids), client_key)
         stream = RequestStream(request_id, self, ticket=ticket)
         try:
             self._submit(_Add(request_id, prompt, params, client_key, stream, ticket))

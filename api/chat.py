@@ -216,8 +216,10 @@ class ChatService:
     ) -> dict | StreamingResponse:
         model = self.check_model(req.model)
         params = self.sampling_params(req)
+        # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
+        client_key = req.user or client_key
         # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step.
-        self.engine.check_admission()
+        self.engine.check_admission(client_key=client_key)
         prompt = await prepare_prompt(
             self.engine.engine,
             [m.to_engine() for m in req.messages],
@@ -226,8 +228,7 @@ class ChatService:
             executor=self.executor,
         )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
-        stream = await self.engine.add_request(request_id, prompt, params, client_key=req.user or client_key)
+        stream = await self.engine.add_request(request_id, prompt, params, client_key=client_key)
         timing = _Timing(arrival)
         outputs = _outputs(stream, timing)
         if not req.stream:

@@ -10,7 +10,9 @@ on the queue counts until the scheduler first runs it or it ends, whichever come
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 
 class EngineOverloaded(RuntimeError):
@@ -35,6 +37,23 @@ class AdmissionState:
     retry_after_s: float = 1.0  # the expected time to drain what is queued (≥ 1 s)
     reason: str | None = None  # why new work is refused, when overloaded
     expected_wait_s: float | None = None  # of the queued prefill work, None until throughput is measured
+    # What still lets a client in while overloaded: prefill is shared max-min fairly between clients
+    # (lm_engine/step_budget.py), so a request waits behind another client's queued work only up to as much
+    # as its own client has queued, itself included (``fair_wait_s``). A client whose wait is within
+    # ``admit_within_s`` is admitted; None: no such exemption. The mapping is never changed once published.
+    queued_by_client: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    prefill_tokens_per_s: float | None = None
+    admit_within_s: float | None = None
+
+    def fair_wait_s(self, client: str, num_tokens: int) -> float | None:
+        """How long a new request of ``client``'s with ``num_tokens`` prompt tokens waits for its prefill to
+        end, if every client with queued work gets an equal share of each step (None: no rate measured)."""
+        rate = self.prefill_tokens_per_s
+        if not rate:
+            return None
+        own = self.queued_by_client.get(client, 0) + num_tokens
+        others = sum(min(q, own) for c, q in self.queued_by_client.items() if c != client)
+        return (own + others) / rate
 
 
 class Ticket:
@@ -64,24 +83,28 @@ class Admission:
         self.num_rejected = 0
         self._lock = threading.Lock()
 
-    def check(self, num_tokens: int = 0) -> None:
-        """Raise EngineOverloaded if a request of ``num_tokens`` prompt tokens would be refused now (ask with 0
-        before any work is spent on a request: media, preprocessing)."""
+    def check(self, num_tokens: int = 0, client: str = "") -> None:
+        """Raise EngineOverloaded if a request of ``client``'s with ``num_tokens`` prompt tokens would be
+        refused now (ask with 0 before any work is spent on a request: media, preprocessing)."""
         with self._lock:
-            self._check(num_tokens)
+            self._check(num_tokens, client)
 
-    def admit(self, num_tokens: int) -> Ticket:
+    def admit(self, num_tokens: int, client: str = "") -> Ticket:
         """Check and count a request in one step (no other request gets in between)."""
         with self._lock:
-            self._check(num_tokens)
+            self._check(num_tokens, client)
             self.queued_requests += 1
             self.queued_tokens += num_tokens
         return Ticket(self, num_tokens)
 
-    def _check(self, num_tokens: int) -> None:
+    def _check(self, num_tokens: int, client: str) -> None:
         state = self.state
         requests, tokens = self.max_queued_requests, self.max_queued_tokens
         reason = state.reason if state.overloaded else None
+        if reason is not None and state.admit_within_s is not None:
+            wait = state.fair_wait_s(client, num_tokens)
+            if wait is not None and wait <= state.admit_within_s:
+                reason = None  # the queue is other clients' work: fair sharing serves this one in time
         if reason is None and requests is not None and self.queued_requests >= requests:
             reason = f"{self.queued_requests} requests are already queued"
         if reason is None and tokens is not None and self.queued_tokens + num_tokens > tokens:

@@ -110,7 +110,7 @@ class LLMEngine:
             prompt = self.process_chat(prompt)
         n_prompt = len(prompt.token_ids)
         self._check_fits(n_prompt)
-        ticket = ticket or self.admission.admit(n_prompt)
+        ticket = ticket or self.admission.admit(n_prompt, client_key)
         seq = Sequence(
             request_id=request_id,
             token_ids=list(prompt.token_ids),

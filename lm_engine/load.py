@@ -7,9 +7,11 @@ measures the prefill the step did and publishes the admission state the next req
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 
 from lm_engine.admission import Admission, AdmissionState
 from lm_engine.block_manager import BlockManager
@@ -68,6 +70,15 @@ class LoadControl:
         running = sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1)
         return self.scheduler.waiting_tokens() + running
 
+    def queued_by_client(self) -> dict[str, int]:
+        """``queued_prefill_tokens`` per client (the scheduler's fairness key)."""
+        out: dict[str, int] = {}
+        for seqs, least in ((self.scheduler.waiting, 0), (self.scheduler.running, 1)):
+            for s in seqs:
+                if s.num_uncomputed > least:
+                    out[s.client_key] = out.get(s.client_key, 0) + s.num_uncomputed
+        return out
+
     def update(self, busy: bool) -> int:
         """Feed the controller and publish the admission state; returns the queued prefill tokens."""
         queued = self.queued_prefill_tokens()
@@ -89,7 +100,15 @@ class LoadControl:
                 f"{wait:.1f} s of queued work is ahead of a new request, over the "
                 f"{vb.ttft_slo_s:.1f} s time-to-first-token target"
             )
-        self.admission.state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
+        state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
+        if vb.saturated:  # what lets a client with little of that queue in anyway (AdmissionState's notes)
+            state = dataclasses.replace(
+                state,
+                queued_by_client=MappingProxyType(self.queued_by_client()),
+                prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+                admit_within_s=vb.shed_low * vb.ttft_slo_s,
+            )
+        self.admission.state = state
         return queued
 
     def _prefill_cap(self) -> int | None:

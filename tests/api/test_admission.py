@@ -145,6 +145,25 @@ def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetche
         assert "vlmserve_admission_overloaded 0.0" in client.get("/metrics").text
 
 
+def test_overload_refuses_the_client_whose_queue_it_is_and_admits_another(tiny_ckpt, fetches):
+    """The fairness key (the request's ``user``, else the caller) reaches admission control: with the queue
+    all one client's, that client is refused and another one, which fair sharing would serve in time, is not."""
+    from types import MappingProxyType
+
+    with make_client(tiny_ckpt, visual_budget="adaptive") as client:
+        engine = client.app.state.engine.engine
+        # what a step would publish with 9 s of the hog's work queued (the engine is idle: nothing replaces it)
+        engine.admission.state = AdmissionState(
+            True, 9.0, "9.0 s of queued work is ahead of a new request", 9.0,
+            MappingProxyType({"hog": 9000}), 1000.0, 1.5,
+        )  # fmt: skip
+        resp = client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "hog"})
+        assert_overloaded(resp, retry_after=9)
+        assert fetches == []  # refused before the image was fetched
+        assert client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "polite"}).status_code == 200
+        assert fetches == [PNG_URL]
+
+
 def test_queued_token_bound_is_checked_with_the_prompt_size(tiny_ckpt):
     with make_client(tiny_ckpt, max_queued_tokens=40) as client:
         long = {**CHAT, "messages": [{"role": "user", "content": "word " * 60}]}

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import pytest
 
 from lm_engine import EngineConfig, EngineOverloaded, LLMEngine, SamplingParams
-from lm_engine.admission import AdmissionState, Ticket
+from lm_engine.admission import Admission, AdmissionState, Ticket
 from lm_engine.sequence import SequenceStatus
 from tests.lm_engine.pacing import VirtualClock, encoded_first, paced
 from tests.support import image_part, make_image, user
@@ -90,6 +91,7 @@ class SlowBurst:
     drained_at: float | None = None  # when the queue of prefill work first emptied
     outputs: dict = field(default_factory=dict)
     level_after_idle: int | None = None
+    polite_ttft_s: float | None = None  # run_slow_burst(polite=True): another client's request, sent then
 
 
 BURST = 10  # requests of ~180 tokens: 7 steps of 256, below the 8 the token-based pressure treats as a limit
@@ -101,7 +103,9 @@ def slow_burst(tiny_ckpt) -> SlowBurst:
     return run_slow_burst(tiny_ckpt)
 
 
-def run_slow_burst(tiny_ckpt, **config) -> SlowBurst:
+def run_slow_burst(tiny_ckpt, polite: bool = False, **config) -> SlowBurst:
+    """The burst, all from one client (``""``); ``polite``: when the first refusal comes, another client
+    (``"polite"``) sends a short request too."""
     # Two levels, so the first step down reaches the floor; a 50 ms dwell, far shorter than a step.
     clock = VirtualClock()
     engine = adaptive_engine(
@@ -132,7 +136,10 @@ def run_slow_burst(tiny_ckpt, **config) -> SlowBurst:
             m = out.metrics
             if m["first_token_time"] is not None:
                 ttft = m["first_token_time"] - m["arrival_time"]
-                worst_ttft = max(worst_ttft or 0.0, ttft)
+                if out.request_id == "polite":
+                    run.polite_ttft_s = ttft
+                else:
+                    worst_ttft = max(worst_ttft or 0.0, ttft)
             if out.finished:
                 run.outputs[out.request_id] = out
         queued = engine.load.queued_prefill_tokens()
@@ -145,6 +152,8 @@ def run_slow_burst(tiny_ckpt, **config) -> SlowBurst:
             with pytest.raises(EngineOverloaded) as err:
                 engine.add_request("late", user("one more"), PARAMS)
             run.refused = (err.value, clock())
+            if polite:  # admitted: fair sharing serves it beside the burst
+                engine.add_request("polite", user("one more"), PARAMS, client_key="polite")
     clock.advance(3 * 0.05)  # idle for whole dwells
     run.level_after_idle = engine.load.visual_budget.level_for("auto")
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -210,6 +219,41 @@ def test_admission_by_the_slo_follows_its_own_setting(tiny_ckpt, visual_budget, 
     else:
         assert any(level > 0 for level, *_ in run.trace)
     assert sorted(run.outputs) == sorted(f"r{i}" for i in range(BURST))
+
+
+def test_another_client_is_admitted_and_served_in_time_while_one_client_overloads(tiny_ckpt):
+    """The queue is one client's: a request of another client's waits only for its fair share of the steps,
+    so admission control lets it in while it refuses the first client, and its TTFT is within the SLO."""
+    run = run_slow_burst(tiny_ckpt, polite=True)
+    assert run.refused is not None  # the burst's own client was refused ...
+    assert run.polite_ttft_s is not None and run.polite_ttft_s <= run.slo_s  # ... the other admitted, in time
+    assert sorted(run.outputs) == sorted(["polite", *(f"r{i}" for i in range(BURST))])
+    assert max(t for *_, t, _ in run.trace if t is not None) > run.slo_s  # while the burst missed it
+
+
+def test_a_client_with_little_of_the_queue_is_admitted_while_overloaded():
+    queued = MappingProxyType({"hog": 5000, "other": 300})
+    state = AdmissionState(True, 5.0, "5.3 s of queued work is ahead", 5.3, queued, 1000.0, 1.5)
+    # max-min fair shares: a new client's 100 tokens are done once each other client got 100 more
+    assert state.fair_wait_s("new", 100) == pytest.approx(0.3)
+    assert state.fair_wait_s("other", 0) == pytest.approx(0.6)
+    # the hog's next request waits behind all of its own work and as much of everyone else's
+    assert state.fair_wait_s("hog", 100) == pytest.approx((5100 + 300) / 1000)
+    admission = Admission()
+    admission.state = state
+    admission.check(0, "new")
+    admission.admit(100, "new").release()
+    admission.admit(0, "other").release()
+    with pytest.raises(EngineOverloaded, match="ahead"):
+        admission.check(0, "hog")
+    with pytest.raises(EngineOverloaded):
+        admission.admit(1400, "new")  # 1,400 + 1,400 of the hog's + 300: 3.1 s
+    # a state without what the exemption needs refuses everyone, as does one with no rate measured
+    for bare in (AdmissionState(True, 5.0, "overloaded", 5.3), AdmissionState(True, 5.0, "o", None, queued)):
+        admission.state = bare
+        with pytest.raises(EngineOverloaded):
+            admission.check(0, "new")
+    assert (admission.queued_requests, admission.queued_tokens) == (0, 0)
 
 
 def test_detail_low_and_high_ignore_the_controller(tiny_ckpt):
