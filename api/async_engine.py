@@ -54,7 +54,7 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     visual_level: int = 0  # the visual budget level new detail=auto images get (0 = full resolution)
-    overloaded: bool = False  # admission control refuses new work (the lowest level cannot keep the SLO)
+    overloaded: bool = False  # admission control refuses new work (the queue ahead takes longer than the SLO)
     expected_wait_s: float = 0.0  # of the queued prefill work at the measured throughput (0: not measured)
     # What the engine holds: per request (0 when idle) and by design (bounded by the pool / the flags).
     requests_tracked: int = 0
