@@ -45,14 +45,20 @@ class AdmissionState:
     prefill_tokens_per_s: float | None = None
     admit_within_s: float | None = None
 
-    def fair_wait_s(self, client: str, num_tokens: int) -> float | None:
+    def fair_wait_s(
+        self, client: str, num_tokens: int, since: Mapping[str, int] = MappingProxyType({})
+    ) -> float | None:
         """How long a new request of ``client``'s with ``num_tokens`` prompt tokens waits for its prefill to
-        end, if every client with queued work gets an equal share of each step (None: no rate measured)."""
+        end, if every client with queued work gets an equal share of each step (None: no rate measured).
+        ``since``: tokens per client admitted after this state was published, queued as well."""
         rate = self.prefill_tokens_per_s
         if not rate:
             return None
-        own = self.queued_by_client.get(client, 0) + num_tokens
-        others = sum(min(q, own) for c, q in self.queued_by_client.items() if c != client)
+        queued = dict(self.queued_by_client)
+        for c, q in since.items():
+            queued[c] = queued.get(c, 0) + q
+        own = queued.get(client, 0) + num_tokens
+        others = sum(min(q, own) for c, q in queued.items() if c != client)
         return (own + others) / rate
 
 
@@ -77,11 +83,24 @@ class Admission:
     def __init__(self, max_queued_requests: int | None = None, max_queued_tokens: int | None = None) -> None:
         self.max_queued_requests = max_queued_requests
         self.max_queued_tokens = max_queued_tokens
-        self.state = AdmissionState()
+        self._lock = threading.Lock()
+        self._state = AdmissionState()
+        # prompt tokens per client admitted since ``state`` was published: a step can be long, and every
+        # request let in meanwhile is queued ahead of the next one
+        self._admitted_since: dict[str, int] = {}
         self.queued_requests = 0  # admitted, not yet scheduled or ended
         self.queued_tokens = 0
         self.num_rejected = 0
-        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> AdmissionState:
+        return self._state
+
+    @state.setter
+    def state(self, state: AdmissionState) -> None:
+        with self._lock:
+            self._state = state
+            self._admitted_since = {}
 
     def check(self, num_tokens: int = 0, client: str = "") -> None:
         """Raise EngineOverloaded if a request of ``client``'s with ``num_tokens`` prompt tokens would be
@@ -95,6 +114,7 @@ class Admission:
             self._check(num_tokens, client)
             self.queued_requests += 1
             self.queued_tokens += num_tokens
+            self._admitted_since[client] = self._admitted_since.get(client, 0) + num_tokens
         return Ticket(self, num_tokens)
 
     def _check(self, num_tokens: int, client: str) -> None:
@@ -102,7 +122,7 @@ class Admission:
         requests, tokens = self.max_queued_requests, self.max_queued_tokens
         reason = state.reason if state.overloaded else None
         if reason is not None and state.admit_within_s is not None:
-            wait = state.fair_wait_s(client, num_tokens)
+            wait = state.fair_wait_s(client, num_tokens, self._admitted_since)
             if wait is not None and wait <= state.admit_within_s:
                 reason = None  # the queue is other clients' work: fair sharing serves this one in time
         if reason is None and requests is not None and self.queued_requests >= requests:

@@ -248,6 +248,21 @@ def test_a_client_with_little_of_the_queue_is_admitted_while_overloaded():
         admission.check(0, "hog")
     with pytest.raises(EngineOverloaded):
         admission.admit(1400, "new")  # 1,400 + 1,400 of the hog's + 300: 3.1 s
+    # Requests let in after the state was published count as queued until the next one is ("new"'s 100 tokens
+    # above among them): a k-th new client of 100 tokens waits for 100 of the hog's, "other"'s, "new"'s and
+    # each earlier one's, (400 + 100 k) ms, so 12 get in within 1.5 s, then none until the next publish.
+    admitted, refused = [], 0
+    for k in range(20):
+        try:
+            admitted.append(admission.admit(100, f"client{k}"))
+        except EngineOverloaded:
+            refused += 1
+    assert (len(admitted), refused) == (12, 8)
+    # a publish starts the count afresh (a step's state would hold those requests in queued_by_client)
+    admission.state = state
+    admission.admit(100, "client19").release()
+    for ticket in admitted:
+        ticket.release()
     # a state without what the exemption needs refuses everyone, as does one with no rate measured
     for bare in (AdmissionState(True, 5.0, "overloaded", 5.3), AdmissionState(True, 5.0, "o", None, queued)):
         admission.state = bare
