@@ -413,7 +413,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-queued-requests", type=int, help="passed to both servers")
     p.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
-    p.add_argument("--budgets", default="fixed,adaptive", help="which runs, in order")
+    p.add_argument(
+        "--budgets", default="fixed,adaptive", help="which runs, in order: fixed, fixed+admission, adaptive"
+    )
     p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "visual_budget"))
     args = p.parse_args(argv)
