@@ -44,6 +44,9 @@ class AdmissionState:
     queued_by_client: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     prefill_tokens_per_s: float | None = None
     admit_within_s: float | None = None
+    # While admission by the SLO is on: the queue's wait plus that of what was admitted since this state was
+    # published, past this, refuses a request before the next step says so (a step can be long).
+    ttft_slo_s: float | None = None
 
     def fair_wait_s(
         self, client: str, num_tokens: int, since: Mapping[str, int] = MappingProxyType({})
@@ -121,6 +124,14 @@ class Admission:
         state = self.state
         requests, tokens = self.max_queued_requests, self.max_queued_tokens
         reason = state.reason if state.overloaded else None
+        rate, slo = state.prefill_tokens_per_s, state.ttft_slo_s
+        if reason is None and slo is not None and rate and state.expected_wait_s is not None:
+            wait = state.expected_wait_s + sum(self._admitted_since.values()) / rate
+            if wait > slo:
+                reason = (
+                    f"{wait:.1f} s of queued work is ahead of a new request, over the {slo:.1f} s "
+                    "time-to-first-token target"
+                )
         if reason is not None and state.admit_within_s is not None:
             wait = state.fair_wait_s(client, num_tokens, self._admitted_since)
             if wait is not None and wait <= state.admit_within_s:

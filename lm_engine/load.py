@@ -101,12 +101,13 @@ class LoadControl:
                 f"{vb.ttft_slo_s:.1f} s time-to-first-token target"
             )
         state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
-        if vb.saturated:  # what lets a client with little of that queue in anyway (AdmissionState's notes)
+        if vb.sheds:  # what the API side decides on until the next step (AdmissionState's notes)
             state = dataclasses.replace(
                 state,
                 queued_by_client=MappingProxyType(self.queued_by_client()),
                 prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
                 admit_within_s=vb.shed_low * vb.ttft_slo_s,
+                ttft_slo_s=vb.ttft_slo_s,
             )
         self.admission.state = state
         return queued

@@ -174,9 +174,14 @@ class VisualBudgetController:
         return self._saturated and wait >= self.shed_low * self.ttft_slo_s
 
     @property
+    def sheds(self) -> bool:
+        """Whether this controller refuses new work over the SLO at all (``shed``, else while enabled)."""
+        return self.enabled if self.shed is None else self.shed
+
+    @property
     def saturated(self) -> bool:
         """The queue ahead of a new request takes longer than the SLO: admitting it would only miss it."""
-        return (self.enabled if self.shed is None else self.shed) and self._saturated
+        return self.sheds and self._saturated
 
     def _set(self, level: int, now: float) -> None:
         # NOTE: pressure seen past the threshold that moved the level counts from the change on, so with

@@ -271,6 +271,28 @@ def test_a_client_with_little_of_the_queue_is_admitted_while_overloaded():
     assert (admission.queued_requests, admission.queued_tokens) == (0, 0)
 
 
+def test_what_was_admitted_since_the_last_step_counts_before_the_next_one_says_so():
+    """A step can be long: the requests let in during it are queued ahead of the next one, so admission
+    control adds their prefill to the published queue's wait instead of waiting for the step to end."""
+    state = AdmissionState(
+        False, 2.0, None, 1.5, MappingProxyType({"": 1500}), 1000.0, admit_within_s=1.5, ttft_slo_s=2.0
+    )
+    admission = Admission()
+    admission.state = state
+    tickets = [admission.admit(300), admission.admit(300)]  # 1.5 s, then 1.8 s ahead of them: in
+    with pytest.raises(EngineOverloaded, match="2.1 s of queued work is ahead"):
+        admission.admit(300)
+    tickets.append(admission.admit(300, "other"))  # another client: its fair share, 0.6 s
+    admission.state = state  # the next step's state: what it counts is its own again
+    tickets.append(admission.admit(300))
+    # with admission by the SLO off (no ttft_slo_s), nothing is refused on the wait
+    admission.state = AdmissionState(False, 2.0, None, 1.9, prefill_tokens_per_s=1000.0)
+    tickets += [admission.admit(300) for _ in range(10)]
+    for ticket in tickets:
+        ticket.release()
+    assert (admission.queued_requests, admission.queued_tokens) == (0, 0)
+
+
 def test_detail_low_and_high_ignore_the_controller(tiny_ckpt):
     engine = adaptive_engine(tiny_ckpt)
     engine.load.visual_budget.level = 2
