@@ -45,11 +45,8 @@ class AdmissionState:
     prefill_tokens_per_s: float | None = None
     admit_within_s: float | None = None
     # While admission by the SLO is on: the queue's wait plus that of what was admitted since this state was
-    # published, past this, refuses a request before the next step says so (a step can be long). Once that
-    # wait ahead passes ``own_from_s``, the request's own prefill counts too (its first token comes after
-    # it); below, it does not, so no request is refused for its own size alone.
+    # published, past this, refuses a request before the next step says so (a step can be long).
     ttft_slo_s: float | None = None
-    own_from_s: float | None = None
 
     def fair_wait_s(
         self, client: str, num_tokens: int, since: Mapping[str, int] = MappingProxyType({})
@@ -129,12 +126,10 @@ class Admission:
         reason = state.reason if state.overloaded else None
         rate, slo = state.prefill_tokens_per_s, state.ttft_slo_s
         if reason is None and slo is not None and rate and state.expected_wait_s is not None:
-            ahead = state.expected_wait_s + sum(self._admitted_since.values()) / rate
-            own = num_tokens / rate if state.own_from_s is not None and ahead > state.own_from_s else 0.0
-            if ahead + own > slo:
-                adds = f" and its own prompt {own:.1f} s more" if own else ""
+            wait = state.expected_wait_s + sum(self._admitted_since.values()) / rate
+            if wait > slo:
                 reason = (
-                    f"{ahead:.1f} s of queued work is ahead of a new request{adds}, over the {slo:.1f} s "
+                    f"{wait:.1f} s of queued work is ahead of a new request, over the {slo:.1f} s "
                     "time-to-first-token target"
                 )
         if reason is not None and state.admit_within_s is not None:

@@ -108,7 +108,6 @@ class LoadControl:
                 prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
                 admit_within_s=vb.shed_low * vb.ttft_slo_s,
                 ttft_slo_s=vb.ttft_slo_s,
-                own_from_s=vb.queue_share * vb.ttft_slo_s,
             )
         self.admission.state = state
         return queued
