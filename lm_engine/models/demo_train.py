@@ -1125,6 +1125,14 @@ def train(
     # leaves every step's fixed costs (op dispatch, Python, AdamW over every parameter) whole in each process,
     # so the CPU time of the run was a third more than one thread alone's (2 x 120.7 against 179.9 s), which
     # ate most of the barriers' gain. Not kept (3 % for ~100 lines).
+    # NOTE: torch.compile(model.model.visual, dynamic=True) measured (2026-12-05, Emerald Rapids Xeon with AMX,
+    # 24 tower-phase batches of 32, system malloc): 285 s for the first 8 steps, then 14.0 img/s against eager's
+    # 47.4: the packed batches' per-image grouping (``AttentionLayout.of``'s lengths) breaks the graph and
+    # recompiles past torch's limit. A compiled tower phase needs those Python-side lengths kept out of the
+    # compiled region (e.g. compiling the blocks' MLP and norms alone), and then a new run and new scores:
+    # fused elementwise work rounds differently under autocast.
+    # NOTE: OMP_WAIT_POLICY=ACTIVE (spinning OpenMP threads) measured the same day: 81 tower steps at 40.4-43.0
+    # img/s against 42.0-44.4 by default, the same weights to the byte. Not a lever here.
     freeze_lower_tower(model, cfg.frozen_tower_blocks)
     loader = TrainBatches(out, cfg)
     phase2 = time.perf_counter()
