@@ -1128,9 +1128,11 @@ def train(
     # NOTE: torch.compile(model.model.visual, dynamic=True) measured (2026-12-05, Emerald Rapids Xeon with AMX,
     # 24 tower-phase batches of 32, system malloc): 285 s for the first 8 steps, then 14.0 img/s against eager's
     # 47.4: the packed batches' per-image grouping (``AttentionLayout.of``'s lengths) breaks the graph and
-    # recompiles past torch's limit. A compiled tower phase needs those Python-side lengths kept out of the
-    # compiled region (e.g. compiling the blocks' MLP and norms alone), and then a new run and new scores:
-    # fused elementwise work rounds differently under autocast.
+    # recompiles past torch's limit. Compiling each block's MLP and two norms alone (the same batches, three
+    # runs each, alternating): 49.6-50.1 img/s against eager's 37.0-47.7 (eager swung between two speeds
+    # under the system malloc): at most ~5 % over eager's best, and a new run and new scores to ship it
+    # (fused elementwise work rounds differently under autocast). Not a lever worth that; the attention's
+    # backward and the matmuls are what is left.
     # NOTE: OMP_WAIT_POLICY=ACTIVE (spinning OpenMP threads) measured the same day: 81 tower steps at 40.4-43.0
     # img/s against 42.0-44.4 by default, the same weights to the byte. Not a lever here.
     freeze_lower_tower(model, cfg.frozen_tower_blocks)
