@@ -65,6 +65,11 @@ class AdmissionState:
         return (own + others) / rate
 
 
+def queue_ahead_reason(wait_s: float, slo_s: float) -> str:
+    """Why a request is refused when the work queued ahead of it takes ``wait_s``, past the TTFT SLO."""
+    return f"{wait_s:.1f} s of queued work is ahead of a new request, over the {slo_s:.1f} s time-to-first-token target"
+
+
 class Ticket:
     """One admitted request's place in the queue counts; ``release`` (idempotent) gives it back."""
 
@@ -128,10 +133,7 @@ class Admission:
         if reason is None and slo is not None and rate and state.expected_wait_s is not None:
             wait = state.expected_wait_s + sum(self._admitted_since.values()) / rate
             if wait > slo:
-                reason = (
-                    f"{wait:.1f} s of queued work is ahead of a new request, over the {slo:.1f} s "
-                    "time-to-first-token target"
-                )
+                reason = queue_ahead_reason(wait, slo)
         if reason is not None and state.admit_within_s is not None:
             wait = state.fair_wait_s(client, num_tokens, self._admitted_since)
             if wait is not None and wait <= state.admit_within_s:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MappingProxyType
 
-from lm_engine.admission import Admission, AdmissionState
+from lm_engine.admission import Admission, AdmissionState, queue_ahead_reason
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
 from lm_engine.scheduler import Scheduler
+from lm_engine.sequence import Sequence
 from lm_engine.visual_budget import BudgetSignals, PrefillRate, TTFTWindow, VisualBudgetController
 
 
@@ -65,24 +66,29 @@ class LoadControl:
     def first_token(self, seconds: float) -> None:
         self.ttft_window.add(seconds)
 
+    def _prefilling(self) -> Iterator[Sequence]:
+        """The sequences with prompt tokens still to prefill: every waiting one, and the running ones not yet
+        decoding (one token left is a decode)."""
+        yield from self.scheduler.waiting
+        yield from (s for s in self.scheduler.running if s.num_uncomputed > 1)
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens (visual included) still to prefill: the work ahead of a new request."""
-        running = sum(s.num_uncomputed for s in self.scheduler.running if s.num_uncomputed > 1)
-        return self.scheduler.waiting_tokens() + running
+        return sum(s.num_uncomputed for s in self._prefilling())
 
     def queued_by_client(self) -> dict[str, int]:
         """``queued_prefill_tokens`` per client (the scheduler's fairness key)."""
         out: dict[str, int] = {}
-        for seqs, least in ((self.scheduler.waiting, 0), (self.scheduler.running, 1)):
-            for s in seqs:
-                if s.num_uncomputed > least:
-                    out[s.client_key] = out.get(s.client_key, 0) + s.num_uncomputed
+        for s in self._prefilling():
+            if s.num_uncomputed:
+                out[s.client_key] = out.get(s.client_key, 0) + s.num_uncomputed
         return out
 
     def update(self, busy: bool) -> int:
         """Feed the controller and publish the admission state; returns the queued prefill tokens."""
-        queued = self.queued_prefill_tokens()
         vb = self.visual_budget
+        by_client = self.queued_by_client() if vb.sheds else None  # one pass over the queue either way
+        queued = sum(by_client.values()) if by_client is not None else self.queued_prefill_tokens()
         vb.update(
             BudgetSignals(
                 queued_tokens=queued,
@@ -94,17 +100,12 @@ class LoadControl:
             )
         )
         wait = vb.expected_wait_s
-        reason = None
-        if vb.saturated:
-            reason = (
-                f"{wait:.1f} s of queued work is ahead of a new request, over the "
-                f"{vb.ttft_slo_s:.1f} s time-to-first-token target"
-            )
+        reason = queue_ahead_reason(wait, vb.ttft_slo_s) if vb.saturated else None
         state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
-        if vb.sheds:  # what the API side decides on until the next step (AdmissionState's notes)
+        if by_client is not None:  # what the API side decides on until the next step (AdmissionState's notes)
             state = dataclasses.replace(
                 state,
-                queued_by_client=MappingProxyType(self.queued_by_client()),
+                queued_by_client=MappingProxyType(by_client),
                 prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
                 admit_within_s=vb.shed_low * vb.ttft_slo_s,
                 ttft_slo_s=vb.ttft_slo_s,

@@ -53,9 +53,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def waiting_tokens(self) -> int:
-        return sum(s.num_uncomputed for s in self.waiting)
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.usage.step()
