@@ -612,12 +612,14 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         summaries.append(s)
         recs[budget] = res.records
 
-    # adaptive against each other run: "goodput", "correct_within_slo_per_s" against fixed (as before the
-    # fixed+admission run existed), "<key> vs fixed+admission" against that one
+    def ratio_key(key: str, base: str) -> str:
+        """adaptive against ``base``: the plain key against fixed (as before the fixed+admission run existed),
+        "<key> vs <base>" against any other run."""
+        return key if base == "fixed" else f"{key} vs {base}"
+
+    bases = [b for b in runs if b != "adaptive"] if "adaptive" in runs else []
     ratios = {}
-    for base in (b for b in runs if b != "adaptive"):
-        if "adaptive" not in runs:
-            break
+    for base in bases:
         f, a = runs[base], runs["adaptive"]
         for key, fx, ax in (
             ("goodput", f["summary"]["goodput"], a["summary"]["goodput"]),
@@ -627,8 +629,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
                 a["quality"]["correct_within_slo_per_s"],
             ),
         ):
-            name = key if base == "fixed" else f"{key} vs {base}"
-            ratios[name] = ax / fx if fx else (float("inf") if ax else None)
+            ratios[ratio_key(key, base)] = ax / fx if fx else (float("inf") if ax else None)
     quick = " [QUICK]" if args.quick else ""
     how = f"(calibrated: {calib['mode']}, {calib['requests']} requests)" if calib else "(given)"
     header = (
@@ -646,10 +647,9 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         return "∞ (the other: none)" if r == float("inf") else _fmt(r) + "×"
 
     ratio_line = "\n\n".join(
-        f"adaptive / {base}: goodput {ratio('goodput' + suffix)}, correct answers per second within the SLOs "
-        f"{ratio('correct_within_slo_per_s' + suffix)}"
-        for base, suffix in (("fixed", ""), ("fixed+admission", " vs fixed+admission"))
-        if base in runs and "adaptive" in runs
+        f"adaptive / {base}: goodput {ratio(ratio_key('goodput', base))}, correct answers per second within "
+        f"the SLOs {ratio(ratio_key('correct_within_slo_per_s', base))}"
+        for base in bases
     )
     meters = {k: v["cpu"] for k, v in runs.items()}
     print(
