@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -77,7 +78,9 @@ def cpu_flags() -> str:
     except (OSError, subprocess.SubprocessError):
         return "?"
     flags = {f for f in out.split() if f in ("avx2", "avx512f", "avx512_bf16") or f.startswith("amx")}
-    return " ".join(sorted(flags)) or "none"
+    found = " ".join(sorted(flags)) or "none"
+    emulated = os.environ.get("VLMSERVE_EMULATED_ISA")  # benchmarks/as_avx2.sh
+    return f"{emulated}, emulated on {found}" if emulated else found
 
 
 def sync(device: torch.device) -> None:

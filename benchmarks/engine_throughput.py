@@ -342,7 +342,9 @@ def machine_line() -> str:
     except OSError:
         pass
     isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
-    return f"{model}, {os.cpu_count()} CPUs ({', '.join(isa) or 'no avx512/amx'})"
+    line = f"{model}, {os.cpu_count()} CPUs ({', '.join(isa) or 'no avx512/amx'})"
+    emulated = os.environ.get("VLMSERVE_EMULATED_ISA")  # benchmarks/as_avx2.sh
+    return f"{line}, running as {emulated}" if emulated else line
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:

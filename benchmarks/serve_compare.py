@@ -166,6 +166,8 @@ def machine() -> dict:
         info["torch_threads"] = torch.get_num_threads()
         info["transformers"] = transformers.__version__
     info["gpu"] = None
+    if os.environ.get("VLMSERVE_EMULATED_ISA"):  # benchmarks/as_avx2.sh
+        info["emulated_isa"] = os.environ["VLMSERVE_EMULATED_ISA"]
     return info
 
 

@@ -67,6 +67,10 @@ def cache_dir() -> Path:
 
 
 def _build(cc: str, source: Path, march: str = "native", extra: tuple[str, ...] = ()) -> Path:
+    if march == "native":
+        # VLMSERVE_MARCH builds for another CPU than this one: benchmarks/as_avx2.sh measures an AVX2-only
+        # machine's code paths (znver3) on a newer CPU.
+        march = os.environ.get("VLMSERVE_MARCH", "").strip() or "native"
     flags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS] + list(extra)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(

@@ -360,3 +360,24 @@ def test_causal_refuses_without_bf16_dots():
     if CAUSAL:
         with pytest.raises(ValueError, match="queries"):
             cpu_kernel.causal_attention(LIB, q, q[:2], q[:2], 0.1)  # more queries than keys
+
+
+def test_vlmserve_march_builds_the_default_library_for_another_cpu(monkeypatch):
+    """``VLMSERVE_MARCH`` (benchmarks/as_avx2.sh) replaces ``-march=native`` in the default build, so an AVX2-only
+    machine's code paths can be measured on a newer CPU; a caller's explicit target stays its own."""
+    import platform
+    import shutil
+
+    from preprocess.native import _build
+
+    if platform.machine() != "x86_64":
+        pytest.skip("x86-64 targets")
+    source, cc = cpu_kernel._SOURCE, shutil.which("cc")
+    native, v3 = _build(cc, source, "native", ("-fopenmp",)), _build(cc, source, "x86-64-v3", ("-fopenmp",))
+    assert native != v3
+    monkeypatch.setenv("VLMSERVE_MARCH", "x86-64-v3")
+    assert _build(cc, source, "native", ("-fopenmp",)) == v3
+    monkeypatch.setenv("VLMSERVE_MARCH", "znver3")
+    assert _build(cc, source, "x86-64-v3", ("-fopenmp",)) == v3
+    monkeypatch.setenv("VLMSERVE_MARCH", " ")
+    assert _build(cc, source, "native", ("-fopenmp",)) == native
