@@ -15,7 +15,8 @@
  * lanes (see attend_unit_dot), P rounded to bfloat16 as flash attention does; on a CPU with AMX-BF16, and
  * where the caller asks for it (`amx`), the same products run as tile products on the same layouts (see
  * attend_unit_amx). Else they are float32 FMAs: with AVX2 (no AVX-512) on 6 × 16 register tiles that hold
- * 16 query rows in the lanes (see attend_unit_t); elsewhere on GCC vectors (16 lanes with AVX-512) over 4 query
+ * 16 query rows in the lanes (see attend_t; segments of at most 64 rows are packed and attended in one unit,
+ * attend_short_t, as the bf16 paths do); elsewhere on GCC vectors (16 lanes with AVX-512) over 4 query
  * rows × 4 vectors of keys in registers, the flash loop stepping by 4 vectors of keys (KS).
  *
  * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
@@ -56,7 +57,7 @@
 #define LANE0 0, 0, 0, 0, 0, 0, 0, 0
 #endif
 
-/* The float32 products with 8 lanes (AVX2 + FMA, no AVX-512) hold query rows in the lanes (see attend_unit_t). */
+/* The float32 products with 8 lanes (AVX2 + FMA, no AVX-512) hold query rows in the lanes (see attend_t). */
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define ROWS_IN_LANES 1
@@ -252,7 +253,7 @@ static void load_row(const job_t *j, int64_t row, int64_t which, int64_t h, floa
     }
 }
 
-#define RG 16 /* query rows per lane group of attend_unit_t: two vectors of 8 */
+#define RG 16 /* query rows per lane group of attend_t: two vectors of 8 */
 
 /* The float32 products' layouts: q and v as rows, k in tiles of VW keys [D][VW] (with ROWS_IN_LANES: q in tiles
  * of RG rows, k and v as rows). (The bf16 paths pack with pack_unit_bf16.) */
@@ -273,12 +274,20 @@ static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q
 #endif
 }
 
+#if ROWS_IN_LANES
+/* Whether segment s is attended by attend_short_t, which packs its q, k and v itself (pack_unit skips it). */
+static inline int short_t(const job_t *j, int64_t s) { return j->cu[s + 1] - j->cu[s] <= QB && j->d <= SHORT_DQ; }
+#endif
+
 /* Unit u: the 64-row chunk u (of all segments, in order), every head. NOTE: a unit reads whole rows of qkv in
  * order. Packing one head per unit read 384 of every row's bytes, rows thousands of bytes apart, and ran at
  * DRAM latency (12 ms of a 4 × 1024-patch call that took 40, one thread); rows in order stream. */
 static void pack_unit(job_t *j, int64_t u) {
     int64_t s, h, c;
     locate(j, u * j->heads, &s, &h, &c);
+#if ROWS_IN_LANES
+    if (short_t(j, s)) return;
+#endif
     const int64_t start = j->cu[s], len = j->cu[s + 1] - start;
     float q[MAX_D] __attribute__((aligned(32))), k[MAX_D] __attribute__((aligned(32))),
         v[MAX_D] __attribute__((aligned(32)));
@@ -992,7 +1001,7 @@ int vlm_amx_ready(void) {
 #define RP 2
 #endif
 /* Keys per block of the float32 flash loop: one register tile's width (4 vectors). (AVX2 builds now take
- * attend_unit_t; 8 lanes here means a build without AVX2.) With 8 lanes that is 32, not KB: when AVX2 ran this
+ * attend_t; 8 lanes here means a build without AVX2.) With 8 lanes that is 32, not KB: when AVX2 ran this
  * path, on a 2-vCPU Zen 3, 2 threads, 8-30 % faster (benchmarks/README.md), equal on one thread. The reason is
  * not settled: a block's k and v tiles are 16 KB at D 64 instead of 32 KB, the whole of that CPU's L1, which
  * the unit's 16 row groups reread them from. */
@@ -1192,8 +1201,10 @@ static inline void softmax_t(float *S, int64_t kv, const __m256 x[2], float scal
     m[1] = n1;
 }
 
-static void attend_unit_t(const job_t *j, int64_t s, int64_t h, int64_t r0, int64_t rows, int64_t len,
-                          int64_t base) {
+/* `rows` query rows (q's tiles from qs, the first row's) of head h of segment s, from its row r0, against keys
+ * [0, len) (rows of ks and vs, zero past len up to the next multiple of KT). */
+static void attend_t(const job_t *j, const float *qs, const float *ks, const float *vs, int64_t s, int64_t h,
+                     int64_t r0, int64_t rows, int64_t len) {
     const int64_t d = j->d, groups = (rows + RG - 1) / RG;
     float OT[QB / RG][MAX_D * RG] __attribute__((aligned(32)));
     float S[KT * RG] __attribute__((aligned(32)));
@@ -1203,12 +1214,11 @@ static void attend_unit_t(const job_t *j, int64_t s, int64_t h, int64_t r0, int6
         m[g][0] = m[g][1] = _mm256_set1_ps(-INFINITY);
         l[g][0] = l[g][1] = _mm256_setzero_ps();
     }
-    const float *qp = j->qp, *kp = j->kp, *vp = j->vp;
     for (int64_t k0 = 0; k0 < len; k0 += KT) {
         const int64_t kv = len - k0 < KT ? len - k0 : KT;
-        const float *kb = kp + (base + k0) * d, *vb = vp + (base + k0) * d;
+        const float *kb = ks + k0 * d, *vb = vs + k0 * d;
         for (int64_t g = 0; g < groups; g++) {
-            const float *qt = qp + (base + r0 + g * RG) * d;
+            const float *qt = qs + g * RG * d;
             /* Tiles of 5 or 6 keys (dims) until the rest is a multiple of 6: 64 = 5 + 5 + 9 × 6, every tile
              * with at least the 8 accumulators that cover the FMAs' latency. Keys past kv are the segment's
              * zero padding (KT divides QB): computed, never read. */
@@ -1239,6 +1249,35 @@ static void attend_unit_t(const job_t *j, int64_t s, int64_t h, int64_t r0, int6
             float *o = (float *)j->out + off;
             for (int64_t e = 0; e < d; e++) o[e] = ot[e * RG] * inv;
         }
+    }
+}
+
+/* A segment of at most 64 rows (Qwen2.5-VL's windows), every head, packed head by head into the unit's own
+ * buffers (q's tiles [D][16], k and v as rows, zero rows to 64) and attended there while they are in L1.
+ * NOTE: packed by pack_unit into the call's buffers, a pass of 64-row windows ran at a third of the long
+ * segments' rate (83 against 240 GFLOP/s, 4,096 rows × 6 heads × 64): the pack wrote the whole pass (19 MB)
+ * before the attend phase read it back. */
+static void attend_short_t(const job_t *j, int64_t s) {
+    const int64_t d = j->d, start = j->cu[s], len = j->cu[s + 1] - start;
+    float qb[QB * SHORT_DQ] __attribute__((aligned(32))), kb[QB * SHORT_DQ] __attribute__((aligned(32))),
+        vb[QB * SHORT_DQ] __attribute__((aligned(32))), q[SHORT_DQ] __attribute__((aligned(32)));
+    const int64_t rows = (len + RG - 1) / RG * RG, keys = (len + KT - 1) / KT * KT;
+    for (int64_t i = len; i < rows; i++) /* the last tile's lanes past len */
+        for (int64_t e = 0; e < d; e++) qb[(i / RG) * RG * d + e * RG + i % RG] = 0.0f;
+    memset(kb + len * d, 0, sizeof(float) * (size_t)((keys - len) * d));
+    memset(vb + len * d, 0, sizeof(float) * (size_t)((keys - len) * d));
+    const int64_t row_floats = 3 * j->heads * d;
+    for (int64_t b = 0; b < len * row_floats * (j->bf16_in ? 2 : 4); b += 64)
+        _mm_prefetch((const char *)j->qkv + start * row_floats * (j->bf16_in ? 2 : 4) + b, _MM_HINT_T1);
+    for (int64_t h = 0; h < j->heads; h++) {
+        for (int64_t i = 0; i < len; i++) {
+            load_row(j, start + i, 0, h, q);
+            float *qt = qb + (i / RG) * RG * d + i % RG;
+            for (int64_t e = 0; e < d; e++) qt[e * RG] = q[e];
+            load_row(j, start + i, 1, h, kb + i * d);
+            load_row(j, start + i, 2, h, vb + i * d);
+        }
+        attend_t(j, qb, kb, vb, s, h, 0, len, len);
     }
 }
 #endif
@@ -1287,7 +1326,13 @@ static void attend_unit(job_t *j, int64_t u) {
     }
 #endif
 #if ROWS_IN_LANES
-    attend_unit_t(j, s, h, r0, rows, len, base);
+    if (short_t(j, s)) {
+        if (h == 0) attend_short_t(j, s); /* every head of the segment */
+    } else {
+        const int64_t d = j->d;
+        attend_t(j, (const float *)j->qp + (base + r0) * d, (const float *)j->kp + base * d,
+                 (const float *)j->vp + base * d, s, h, r0, rows, len);
+    }
 #else
     const int64_t d = j->d, groups = (rows + RT - 1) / RT;
     float O[QB * MAX_D] __attribute__((aligned(64)));
