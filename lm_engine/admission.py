@@ -45,8 +45,11 @@ class AdmissionState:
     prefill_tokens_per_s: float | None = None
     admit_within_s: float | None = None
     # While admission by the SLO is on: the queue's wait plus that of what was admitted since this state was
-    # published, past this, refuses a request before the next step says so (a step can be long).
+    # published, past this, refuses a request before the next step says so (a step can be long). Once that
+    # wait ahead passes ``own_from_s``, the request's own prefill counts too (its first token comes after
+    # it); below, it does not, so no request is refused for its own size alone. None: never (see load.py).
     ttft_slo_s: float | None = None
+    own_from_s: float | None = None
 
     def fair_wait_s(
         self, client: str, num_tokens: int, since: Mapping[str, int] = MappingProxyType({})
@@ -65,9 +68,14 @@ class AdmissionState:
         return (own + others) / rate
 
 
-def queue_ahead_reason(wait_s: float, slo_s: float) -> str:
-    """Why a request is refused when the work queued ahead of it takes ``wait_s``, past the TTFT SLO."""
-    return f"{wait_s:.1f} s of queued work is ahead of a new request, over the {slo_s:.1f} s time-to-first-token target"
+def queue_ahead_reason(wait_s: float, slo_s: float, own_s: float = 0.0) -> str:
+    """Why a request is refused when the work queued ahead of it takes ``wait_s`` (and its own prefill
+    ``own_s``), past the TTFT SLO."""
+    own = f" and its own prompt {own_s:.1f} s more" if own_s else ""
+    return (
+        f"{wait_s:.1f} s of queued work is ahead of a new request{own}, over the {slo_s:.1f} s "
+        "time-to-first-token target"
+    )
 
 
 class Ticket:
@@ -131,9 +139,10 @@ class Admission:
         reason = state.reason if state.overloaded else None
         rate, slo = state.prefill_tokens_per_s, state.ttft_slo_s
         if reason is None and slo is not None and rate and state.expected_wait_s is not None:
-            wait = state.expected_wait_s + sum(self._admitted_since.values()) / rate
-            if wait > slo:
-                reason = queue_ahead_reason(wait, slo)
+            ahead = state.expected_wait_s + sum(self._admitted_since.values()) / rate
+            own = num_tokens / rate if state.own_from_s is not None and ahead > state.own_from_s else 0.0
+            if ahead + own > slo:
+                reason = queue_ahead_reason(ahead, slo, own)
         if reason is not None and state.admit_within_s is not None:
             wait = state.fair_wait_s(client, num_tokens, self._admitted_since)
             if wait is not None and wait <= state.admit_within_s:

@@ -109,6 +109,11 @@ class LoadControl:
                 prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
                 admit_within_s=vb.shed_low * vb.ttft_slo_s,
                 ttft_slo_s=vb.ttft_slo_s,
+                # NOTE: with the adaptive budget the queue is the ladder's signal too. Counting a request's own
+                # prefill there refused more, the shorter queue hid the load, and the ladder stepped back up
+                # mid-burst: 74 and 77 of 96 requests within the SLOs against 85 and 83 without
+                # (benchmarks/visual_budget.py, 2 s SLO, 2026-12-05). With a fixed budget only admission reads it.
+                own_from_s=None if vb.enabled else vb.queue_share * vb.ttft_slo_s,
             )
         self.admission.state = state
         return queued

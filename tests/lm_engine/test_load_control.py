@@ -6,6 +6,7 @@ and every TTFT are in those virtual seconds, so no verdict depends on how fast t
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -205,7 +206,7 @@ def test_saturation_refuses_new_work_fast_and_keeps_admitted_work(slow_burst):
 
 @pytest.mark.parametrize(
     "visual_budget, slo_admission, refuses",
-    [("fixed", None, False), ("fixed", True, True), ("adaptive", False, False)],
+    [("fixed", None, False), ("fixed", True, True), ("adaptive", False, False), ("adaptive", None, True)],
 )
 def test_admission_by_the_slo_follows_its_own_setting(tiny_ckpt, visual_budget, slo_admission, refuses):
     """``slo_admission``: None refuses over the SLO with an adaptive budget only (the fixed one is the plain
@@ -218,6 +219,11 @@ def test_admission_by_the_slo_follows_its_own_setting(tiny_ckpt, visual_budget, 
         assert all(level == 0 for level, *_ in run.trace)  # the ladder never moves
     else:
         assert any(level > 0 for level, *_ in run.trace)
+    # A request's own prefill counts where no ladder reads the queue (load.py's NOTE): a fixed budget, half
+    # the SLO of wait ahead on.
+    published = [s.own_from_s for s in states if s.ttft_slo_s is not None]
+    own = pytest.approx(0.5 * run.slo_s) if visual_budget == "fixed" else None
+    assert published and all(o == own for o in published) if refuses else not published
     assert sorted(run.outputs) == sorted(f"r{i}" for i in range(BURST))
 
 
@@ -285,6 +291,17 @@ def test_what_was_admitted_since_the_last_step_counts_before_the_next_one_says_s
     tickets.append(admission.admit(300, "other"))  # another client: its fair share, 0.6 s
     admission.state = state  # the next step's state: what it counts is its own again
     tickets.append(admission.admit(300))
+    # Past own_from_s of wait ahead, the request's own prefill counts as well; below, a big request is not
+    # refused for its own size.
+    one = MappingProxyType({"": 1200})
+    admission.state = dataclasses.replace(state, expected_wait_s=1.2, own_from_s=1.0, queued_by_client=one)
+    tickets.append(admission.admit(500))  # 1.2 + 0.5 s
+    with pytest.raises(EngineOverloaded, match="1.7 s of queued work is ahead of a new request and its own"):
+        admission.admit(500)  # 1.7 + 0.5 s
+    tickets.append(admission.admit(200))  # 1.7 + 0.2 s
+    one = MappingProxyType({"": 500})
+    admission.state = dataclasses.replace(state, expected_wait_s=0.5, own_from_s=1.0, queued_by_client=one)
+    tickets.append(admission.admit(5000))  # 0.5 s ahead, 5 s of its own
     # with admission by the SLO off (no ttft_slo_s), nothing is refused on the wait
     admission.state = AdmissionState(False, 2.0, None, 1.9, prefill_tokens_per_s=1000.0)
     tickets += [admission.admit(300) for _ in range(10)]
