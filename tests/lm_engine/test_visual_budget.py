@@ -91,6 +91,25 @@ def test_short_spikes_do_not_oscillate():
     assert c.level == 0 and not c.history
 
 
+def test_shedding_counts_as_pressure_while_the_queue_it_keeps_short_reads_low():
+    """Admission control refuses work while the queue takes longer than the SLO, so the queue falls back into
+    the band right after: a sawtooth that never spends a whole dwell above ``high``. The spells of saturation
+    count as pressure for a dwell after each, so the ladder steps down under it; once they stop, the band
+    holds the level again."""
+    clock = Clock()
+    c = controller(clock)  # SLO 1 s, dwell 1 s, queueing may take half the SLO
+    over, band = sig(queued=150, rate=100.0), sig(queued=40, rate=100.0)  # waits of 1.5 s and 0.4 s
+    assert c.compute_pressure(band) == pytest.approx(0.8)  # between low and high
+    for _ in range(6):  # 0.3 s saturated, 0.4 s in the band
+        run(c, clock, over, 0.3)
+        assert c.saturated
+        run(c, clock, band, 0.4)
+        assert not c.saturated
+    assert c.level >= 2
+    settled = run(c, clock, band, 6.0)
+    assert len(set(settled[15:])) == 1  # a dwell after the last refusal spell, nothing moves
+
+
 def test_queue_pressure_is_the_expected_wait_against_the_slo():
     c = controller(Clock())  # SLO 1 s, of which queueing may take half
     assert c.compute_pressure(sig(queued=200, rate=100.0)) == pytest.approx(4.0)  # 2 s of queue
