@@ -274,6 +274,20 @@ static void store_packed(const job_t *j, int64_t h, int64_t prow, const float *q
 #endif
 }
 
+#if HAVE_BF16DOT || ROWS_IN_LANES
+/* qkv rows [first, first + count), every head, on their way to L2; with `rotary`, their rotary rows too */
+static inline void prefetch_rows(const job_t *j, int64_t first, int64_t count, int rotary) {
+    const int64_t half = j->d / 2, row_bytes = 3 * j->heads * j->d * (j->bf16_in ? 2 : 4);
+    const char *rows = (const char *)j->qkv + first * row_bytes;
+    for (int64_t b = 0; b < count * row_bytes; b += 64) _mm_prefetch(rows + b, _MM_HINT_T1);
+    if (rotary && j->cos)
+        for (int64_t b = 0; b < count * half * 4; b += 64) {
+            _mm_prefetch((const char *)(j->cos + first * half) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(j->sin + first * half) + b, _MM_HINT_T1);
+        }
+}
+#endif
+
 #if ROWS_IN_LANES
 /* Whether segment s is attended by attend_short_t, which packs its q, k and v itself (pack_unit skips it). */
 static inline int short_t(const job_t *j, int64_t s) { return j->cu[s + 1] - j->cu[s] <= QB && j->d <= SHORT_DQ; }
@@ -477,17 +491,6 @@ static inline int packs_itself(const job_t *j, int64_t s) {
     return j->dot && j->cu[s + 1] - j->cu[s] <= QB && j->dq <= SHORT_DQ;
 }
 
-/* qkv rows [first, first + count), every head, on their way to L2; with `rotary`, their rotary rows too */
-static inline void prefetch_rows(const job_t *j, int64_t first, int64_t count, int rotary) {
-    const int64_t half = j->d / 2;
-    const char *rows = (const char *)((const uint16_t *)j->qkv + first * 3 * j->heads * j->d);
-    for (int64_t b = 0; b < count * 3 * j->heads * j->d * 2; b += 64) _mm_prefetch(rows + b, _MM_HINT_T1);
-    if (rotary && j->cos)
-        for (int64_t b = 0; b < count * half * 4; b += 64) {
-            _mm_prefetch((const char *)(j->cos + first * half) + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(j->sin + first * half) + b, _MM_HINT_T1);
-        }
-}
 
 /* The group's 16 rows of segment s from its row r0 (n real) */
 static inline int64_t group_rows(const job_t *j, int64_t s, int64_t r0, const uint16_t *rows[16]) {
@@ -1266,9 +1269,7 @@ static void attend_short_t(const job_t *j, int64_t s) {
         for (int64_t e = 0; e < d; e++) qb[(i / RG) * RG * d + e * RG + i % RG] = 0.0f;
     memset(kb + len * d, 0, sizeof(float) * (size_t)((keys - len) * d));
     memset(vb + len * d, 0, sizeof(float) * (size_t)((keys - len) * d));
-    const int64_t row_floats = 3 * j->heads * d;
-    for (int64_t b = 0; b < len * row_floats * (j->bf16_in ? 2 : 4); b += 64)
-        _mm_prefetch((const char *)j->qkv + start * row_floats * (j->bf16_in ? 2 : 4) + b, _MM_HINT_T1);
+    prefetch_rows(j, start, len, 0);
     for (int64_t h = 0; h < j->heads; h++) {
         for (int64_t i = 0; i < len; i++) {
             load_row(j, start + i, 0, h, q);
