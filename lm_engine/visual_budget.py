@@ -153,9 +153,8 @@ class VisualBudgetController:
         # as a sawtooth between ~0.3-0.9 and ~2 a few times a second, never a whole dwell above ``high``, and
         # in some runs the level never left 0 (those runs' rate of correct answers within the SLOs: that of
         # a fixed budget with admission control). Saturation within the last dwell counts as pressure.
-        if self._saturated_at is not None and now - self._saturated_at < self.dwell_s:
-            p = max(p, math.nextafter(self.high, math.inf))
-        if p > self.high:
+        shed_lately = self._saturated_at is not None and now - self._saturated_at < self.dwell_s
+        if p > self.high or shed_lately:
             self._above_since = self._above_since or now
             self._below_since = None
         elif p < self.low:
