@@ -26,6 +26,23 @@ def hf_oracle(tiny_ckpt: Path) -> HFOracle:
 
 
 @pytest.fixture(scope="session")
+def tiny25_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The `tiny` Qwen2.5-VL test checkpoint (seed 0): window attention (8-patch windows), one full-attention
+    block, RMSNorm and the gated MLP in the tower; built once per test session."""
+    from lm_engine.models.qwen2_vl_make import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("tiny25_ckpt"), preset="tiny", seed=0, family="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def hf_oracle25(tiny25_ckpt: Path) -> HFOracle:
+    """transformers' generate() on the tiny Qwen2.5-VL checkpoint (its own Qwen2_5_VL modeling code)."""
+    oracle = HFOracle(tiny25_ckpt)
+    assert type(oracle.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    return oracle
+
+
+@pytest.fixture(scope="session")
 def eos_ckpt(tiny_ckpt: Path, hf_oracle: HFOracle, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny checkpoint (same weights) whose EOS is a token that its greedy answer to EOS_PROBE produces
     early: the tiny model never emits its own EOS greedily, so without this no test sees a choice end by EOS."""

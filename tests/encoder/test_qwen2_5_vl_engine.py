@@ -14,24 +14,20 @@ from api.config import ServerArgs
 from api.server import create_app
 from lm_engine import LLM, SamplingParams
 from lm_engine.config import EngineConfig
-from tests.support import HFOracle, image_part, make_image, user
+from tests.support import image_part, make_image, user
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
 @pytest.fixture(scope="module")
-def ckpt25(tmp_path_factory):
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("tiny25"), preset="tiny", seed=0, family="qwen2_5_vl")
+def ckpt25(tiny25_ckpt):
+    return tiny25_ckpt
 
 
 @pytest.fixture(scope="module")
-def oracle25(ckpt25):
-    oracle = HFOracle(ckpt25)
-    assert type(oracle.model).__name__ == "Qwen2_5_VLForConditionalGeneration"
-    return oracle
+def oracle25(hf_oracle25):
+    return hf_oracle25
 
 
 def conversations() -> list[list[dict]]:

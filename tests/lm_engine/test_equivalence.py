@@ -1,4 +1,6 @@
-"""Greedy output of the engine equals transformers' generate(), token for token (fp32, CPU)."""
+"""Greedy output of the engine equals transformers' generate(), token for token (fp32, CPU), for both families
+with a tower of ours: Qwen2-VL and Qwen2.5-VL (window attention; the mixed requests' patch grids include ones
+that are not a multiple of its 8-patch window, and requests with two images)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,25 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 POOL = 512
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def references(hf_oracle):
-    return [hf_oracle.generate(conv, MAX_NEW) for conv in mixed_requests()]
+def ckpt(family, request):
+    """The family's tiny checkpoint (session fixtures: built once, shared with the other modules)."""
+    return request.getfixturevalue({"qwen2_vl": "tiny_ckpt", "qwen2_5_vl": "tiny25_ckpt"}[family])
+
+
+@pytest.fixture(scope="module")
+def oracle(family, request) -> HFOracle:
+    return request.getfixturevalue({"qwen2_vl": "hf_oracle", "qwen2_5_vl": "hf_oracle25"}[family])
+
+
+@pytest.fixture(scope="module")
+def references(oracle):
+    return [oracle.generate(conv, MAX_NEW) for conv in mixed_requests()]
 
 
 def assert_matches(outs, refs):
@@ -25,10 +43,10 @@ def assert_matches(outs, refs):
         assert out.token_ids == ref, f"request {i}: engine {out.token_ids} != transformers {ref}"
 
 
-def test_mixed_batch_with_chunks_through_images(tiny_ckpt, references, hf_oracle):
+def test_mixed_batch_with_chunks_through_images(ckpt, references, oracle):
     # A 96-token budget cuts every image span above 96 placeholders across several prefill chunks.
     llm = LLM(
-        str(tiny_ckpt),
+        str(ckpt),
         max_num_batched_tokens=96,
         block_size=16,
         num_kv_blocks=POOL,
@@ -36,7 +54,7 @@ def test_mixed_batch_with_chunks_through_images(tiny_ckpt, references, hf_oracle
     )
     convs = mixed_requests()
     for conv, out in zip(convs, llm.chat(convs, GREEDY)):
-        assert out.prompt_token_ids == hf_oracle.inputs(conv)["input_ids"][0].tolist()
+        assert out.prompt_token_ids == oracle.inputs(conv)["input_ids"][0].tolist()
     outs = llm.chat(convs, GREEDY)
     assert_matches(outs, references)
     # Some prompts really were cut through an image span.
@@ -49,18 +67,18 @@ def test_mixed_batch_with_chunks_through_images(tiny_ckpt, references, hf_oracle
     llm.engine.check_integrity()
 
 
-def test_shared_prefix_different_images(tiny_ckpt, hf_oracle):
+def test_shared_prefix_different_images(ckpt, oracle):
     """Same text, same image size, different pixels: each request must get its own image's answer."""
     system = {"role": "system", "content": "You are a careful assistant who looks closely at pictures. " * 3}
     convs = [
         [system, *user(image_part(make_image(224, 224, 100 + i)), "What is in the picture?")]
         for i in range(4)
     ]
-    refs = [hf_oracle.generate(c, MAX_NEW) for c in convs]
+    refs = [oracle.generate(c, MAX_NEW) for c in convs]
     assert len({tuple(r) for r in refs}) > 1, (
         "the images must lead to different answers for this test to bite"
     )
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=128, num_kv_blocks=POOL, enable_prefix_caching=True)
+    llm = LLM(str(ckpt), max_num_batched_tokens=128, num_kv_blocks=POOL, enable_prefix_caching=True)
     # One after another (each later request finds the earlier ones' blocks cached) ...
     for i, (conv, ref) in enumerate(zip(convs, refs)):
         (out,) = llm.chat([conv], GREEDY)
@@ -70,18 +88,18 @@ def test_shared_prefix_different_images(tiny_ckpt, hf_oracle):
     assert_matches(llm.chat(convs, GREEDY), refs)
 
 
-def test_prefix_cache_without_image_identity_fails(tiny_ckpt, hf_oracle, monkeypatch):
+def test_prefix_cache_without_image_identity_fails(ckpt, oracle, monkeypatch):
     """Negative control: a block hash that ignores image identity serves one image's KV to another."""
     monkeypatch.setattr(prefix_cache, "block_extra_keys", lambda images, start, end: ())
     convs = [user(image_part(make_image(224, 224, 200 + i)), "What is in the picture?") for i in range(3)]
-    refs = [hf_oracle.generate(c, MAX_NEW) for c in convs]
-    llm = LLM(str(tiny_ckpt), max_num_batched_tokens=512, num_kv_blocks=POOL, enable_prefix_caching=True)
+    refs = [oracle.generate(c, MAX_NEW) for c in convs]
+    llm = LLM(str(ckpt), max_num_batched_tokens=512, num_kv_blocks=POOL, enable_prefix_caching=True)
     llm.chat([convs[0]], GREEDY)
     outs = [llm.chat([c], GREEDY)[0] for c in convs[1:]]
     assert any(o.token_ids != r for o, r in zip(outs, refs[1:])), "the broken hash went unnoticed"
 
 
-def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
+def test_preemption_by_recompute(ckpt, oracle):
     """Requests with images admitted into a pool too small for their decodes: growth forces preemption,
     and the recomputed requests still match transformers (with and without prefix caching)."""
     convs = [
@@ -94,9 +112,9 @@ def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
         for i in range(8)
     ]
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    refs = [hf_oracle.generate(c, 40) for c in convs]
+    refs = [oracle.generate(c, 40) for c in convs]
     for caching in (True, False):
-        llm = LLM(str(tiny_ckpt), max_num_batched_tokens=256, num_kv_blocks=48, enable_prefix_caching=caching)
+        llm = LLM(str(ckpt), max_num_batched_tokens=256, num_kv_blocks=48, enable_prefix_caching=caching)
         # NOTE: encode every image first. Otherwise images that finish encoding late can let the
         # early requests finish before the late ones need blocks, and nothing is preempted.
         llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=1))
@@ -108,10 +126,10 @@ def test_preemption_by_recompute(tiny_ckpt, hf_oracle):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-def test_no_prefix_caching_matches(tiny_ckpt, references, backend):
+def test_no_prefix_caching_matches(ckpt, references, backend):
     """Both CPU attention backends: plain torch (gather + SDPA) and the compiled decode kernel."""
     llm = LLM(
-        str(tiny_ckpt),
+        str(ckpt),
         max_num_batched_tokens=2048,
         num_kv_blocks=POOL,
         enable_prefix_caching=False,
