@@ -185,11 +185,10 @@ class ChatService:
     def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if req.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name):
-                raise APIError(400, f"{name} is not supported (use 0)", param=name, code="unsupported")
+        refused = req.unsupported()
+        if refused is not None:
+            param, message = refused
+            raise APIError(400, message, param=param, code="unsupported")
         max_seqs = self.engine.engine.config.max_num_seqs
         if req.n > max_seqs:
             raise APIError(400, f"n must be at most {max_seqs} (--max-num-seqs)", param="n")

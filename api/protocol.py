@@ -80,11 +80,84 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Options that decide what a completion must be. vlmserve has none of them; each is accepted at its
+    # default (what SDKs and agent frameworks send when unset) and refused otherwise, since ignoring it would
+    # answer something other than what was asked for (``unsupported``).
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    logit_bias: dict[str, float] | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
     # vLLM extensions.
     ignore_eos: bool = False
     return_token_ids: bool = Field(
         False, description="vLLM extension: add prompt_token_ids and per-choice token_ids to the response"
     )
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for the first option set to something vlmserve cannot do, or None."""
+        fmt = (self.response_format or {}).get("type", "text")
+        checks = [
+            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
+            ("top_logprobs", bool(self.top_logprobs), "top_logprobs are not supported (logprobs are not)"),
+            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
+            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
+            (
+                "response_format",
+                fmt != "text",
+                f"response_format {fmt!r} is not supported: structured output is not implemented (use 'text')",
+            ),
+            (
+                "tools",
+                bool(self.tools) and self.tool_choice != "none",
+                'tool calling is not supported: send no tools, or tool_choice "none"',
+            ),
+            (
+                "tool_choice",
+                self.tool_choice not in (None, "none", "auto"),
+                'tool calling is not supported: tool_choice may only be "none" (or "auto" with no tools)',
+            ),
+            (
+                "functions",
+                bool(self.functions) and self.function_call != "none",
+                "function calling is not supported",
+            ),
+            (
+                "function_call",
+                self.function_call not in (None, "none", "auto"),
+                "function calling is not supported",
+            ),
+            ("logit_bias", any((self.logit_bias or {}).values()), "logit_bias is not supported"),
+            (
+                "modalities",
+                self.modalities is not None and self.modalities != ["text"],
+                'only the "text" output modality is supported',
+            ),
+            ("audio", self.audio is not None, "audio output is not supported"),
+            ("prediction", self.prediction is not None, "predicted outputs are not supported"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty not in (None, 1.0),
+                "repetition_penalty is not supported (use 1)",
+            ),
+            ("min_p", bool(self.min_p), "min_p is not supported (use 0)"),
+            ("min_tokens", bool(self.min_tokens), "min_tokens is not supported (use 0)"),
+        ]
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            checks.append((name, getattr(self, name) is not None, "guided decoding is not supported"))
+        return next(((name, message) for name, bad, message in checks if bad), None)
 
 
 # ---------------------------------------------------------------- responses (also the OpenAPI schema)

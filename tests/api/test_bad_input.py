@@ -86,10 +86,74 @@ def test_netguard_refuses_non_loopback_in_server_process(server):
         pytest.param({**OK, "n": 64}, None, id="n-over-max-num-seqs"),
         pytest.param({**OK, "stream_options": {"include_usage": True}}, None, id="stream-options-no-stream"),
         pytest.param({**OK, "logprobs": True}, "unsupported", id="logprobs"),
+        pytest.param({**OK, "response_format": "json"}, "dict_type", id="response-format-str"),
     ],
 )
 def test_malformed_requests(server, body, code):
     assert_error(server.post_chat(body), 400, code)
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+@pytest.mark.parametrize(
+    "options, param",
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1.0}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        ({"tools": [TOOL]}, "tools"),
+        ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+        ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
+        ({"functions": [TOOL["function"]]}, "functions"),
+        ({"logit_bias": {"15": -100}}, "logit_bias"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ({"prediction": {"type": "content", "content": "hi"}}, "prediction"),
+        ({"repetition_penalty": 1.3}, "repetition_penalty"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ],
+)
+def test_options_that_would_change_the_answer_are_refused(server, options, param):
+    """Structured output, tool calls, logit bias, penalties, …: vlmserve does none of them, and answering as if
+    they had not been asked would hand back something other than what was asked for. Streaming or not."""
+    for stream in (False, True):
+        err = assert_error(server.post_chat({**OK, **options, "stream": stream}), 400, "unsupported")
+        assert err["param"] == param, err
+
+
+def test_those_options_at_their_defaults_are_served(server):
+    """What SDKs and agent frameworks send when the option is unset."""
+    defaults = {
+        "top_logprobs": 0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "response_format": {"type": "text"},
+        "tools": [TOOL],
+        "tool_choice": "none",
+        "logit_bias": {"15": 0},
+        "modalities": ["text"],
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+        "min_tokens": 0,
+        "parallel_tool_calls": True,
+    }
+    resp = server.post_chat({**OK, **defaults})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] is not None
+    assert server.post_chat({**OK, "tools": [], "tool_choice": "auto", "logit_bias": {}}).status_code == 200
 
 
 def test_unknown_model_and_route(server):
