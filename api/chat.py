@@ -205,9 +205,30 @@ class ChatService:
                 seed=req.seed,
                 stop=req.stop or [],
                 ignore_eos=req.ignore_eos,
+                logit_bias=self._logit_bias(req.logit_bias),
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_tokens=req.min_tokens or 0,
+                min_p=req.min_p or 0.0,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float]:
+        """OpenAI's logit_bias (token ids as strings) → token id: bias; ids outside the vocabulary are a 400."""
+        vocab = self.engine.engine.model_config.vocab_size
+        out = {}
+        for key, value in (bias or {}).items():
+            tok = int(key) if key.isascii() and key.isdigit() else -1
+            if not 0 <= tok < vocab:
+                raise APIError(
+                    400,
+                    f"logit_bias key {key!r} is not a token id of this model (0 to {vocab - 1})",
+                    param="logit_bias",
+                )
+            out[tok] = value
+        return out
 
     # -- serving -------------------------------------------------------------------------------------------
     async def create(

@@ -76,9 +76,10 @@ class ChatCompletionRequest(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
-    # Accepted so that clients sending the OpenAI defaults work; anything else is refused with a 400.
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Accepted so that clients sending the OpenAI defaults work; anything else is refused with a 400.
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Options that decide what a completion must be. vlmserve has none of them; each is accepted at its
@@ -89,7 +90,6 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    logit_bias: dict[str, float] | None = None
     modalities: list[str] | None = None
     audio: dict | None = None
     prediction: dict | None = None
@@ -98,9 +98,10 @@ class ChatCompletionRequest(BaseModel):
     return_token_ids: bool = Field(
         False, description="vLLM extension: add prompt_token_ids and per-choice token_ids to the response"
     )
-    repetition_penalty: float | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int | None = Field(None, ge=0)
+    # Refused unless unset, as the options above.
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -112,8 +113,6 @@ class ChatCompletionRequest(BaseModel):
         checks = [
             ("logprobs", bool(self.logprobs), "logprobs are not supported"),
             ("top_logprobs", bool(self.top_logprobs), "top_logprobs are not supported (logprobs are not)"),
-            ("frequency_penalty", bool(self.frequency_penalty), "frequency_penalty is not supported (use 0)"),
-            ("presence_penalty", bool(self.presence_penalty), "presence_penalty is not supported (use 0)"),
             (
                 "response_format",
                 fmt != "text",
@@ -139,7 +138,6 @@ class ChatCompletionRequest(BaseModel):
                 self.function_call not in (None, "none", "auto"),
                 "function calling is not supported",
             ),
-            ("logit_bias", any((self.logit_bias or {}).values()), "logit_bias is not supported"),
             (
                 "modalities",
                 self.modalities is not None and self.modalities != ["text"],
@@ -147,13 +145,6 @@ class ChatCompletionRequest(BaseModel):
             ),
             ("audio", self.audio is not None, "audio output is not supported"),
             ("prediction", self.prediction is not None, "predicted outputs are not supported"),
-            (
-                "repetition_penalty",
-                self.repetition_penalty not in (None, 1.0),
-                "repetition_penalty is not supported (use 1)",
-            ),
-            ("min_p", bool(self.min_p), "min_p is not supported (use 0)"),
-            ("min_tokens", bool(self.min_tokens), "min_tokens is not supported (use 0)"),
         ]
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             checks.append((name, getattr(self, name) is not None, "guided decoding is not supported"))

@@ -214,7 +214,7 @@ class LLMEngine:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
                 logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
             now = self.clock()
-            for seq, tok in zip(seqs, sample(logits, seqs)):
+            for seq, tok in zip(seqs, sample(logits, seqs, self.outputs.eos_ids)):
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     if seq.index == 0:

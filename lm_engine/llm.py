@@ -48,16 +48,22 @@ class LLM:
     def chat(
         self,
         conversations: list[list[dict]] | list[dict],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        params = params or SamplingParams()
+        """One output per conversation; ``params`` is one for all or a list, one per conversation."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
+        if isinstance(params, list):
+            if len(params) != len(conversations):
+                raise ValueError(f"{len(params)} sampling params for {len(conversations)} conversations")
+            per_conv = params
+        else:
+            per_conv = [params or SamplingParams()] * len(conversations)
         ids = []
-        for conv in conversations:
+        for conv, conv_params in zip(conversations, per_conv):
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, conv, params)
+            self.engine.add_request(rid, conv, conv_params)
             ids.append(rid)
         return self._run(ids, use_tqdm)
 

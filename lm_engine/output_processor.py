@@ -51,7 +51,9 @@ class OutputProcessor:
         p = seq.params
         detokenize_step(seq, self.decode)
         reason, stop_reason = None, None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if seq.num_output_tokens < p.min_tokens:
+            pass  # no stop condition before min_tokens (the sampler bars EOS and stop_token_ids too), as vLLM
+        elif (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
         elif p.stop:
             window = max(len(s) for s in p.stop) + 16

@@ -2,25 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from lm_engine.device import to_device
 from lm_engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Collection[int] = ()) -> list[int]:
     """logits [N, V] (float32, any device), one row per sequence; greedy rows take the argmax.
 
     Everything stays on the logits' device: the per-row settings go over in one copy, all random rows draw
     in one batch, and one ``.tolist()`` is the step's only device sync. A seeded row draws from its own
-    generator, which lives on that device too (the engine makes it there).
+    generator, which lives on that device too (the engine makes it there). Rows whose parameters adjust
+    logits (penalties, logit_bias, min_tokens, which bars ``eos_ids``) are adjusted first, row by row.
     """
+    if any(s.params.adjusts_logits for s in seqs):
+        logits = _adjusted(logits, seqs, eos_ids)
     greedy = logits.argmax(dim=-1)
     if all(s.params.greedy for s in seqs):
         return greedy.tolist()
     knobs = _settings(seqs, logits.shape[1], logits.dtype)
-    temps, top_k, top_p, is_greedy = to_device(knobs, logits.device).unbind(dim=1)
+    temps, top_k, top_p, is_greedy, min_p = to_device(knobs, logits.device).unbind(dim=1)
     scaled = logits / temps.unsqueeze(1)
+    if any(s.params.min_p > 0.0 for s in seqs):
+        probs = scaled.softmax(dim=-1)
+        low = probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        scaled = scaled.masked_fill(low, float("-inf"))  # the likeliest token always stays (min_p <= 1)
     order = None
     if any(s.params.top_k or s.params.top_p < 1.0 for s in seqs):
         probs, order = _filtered(scaled, top_k, top_p)
@@ -33,13 +42,44 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
 
 
 def _settings(seqs: list[Sequence], vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """[N, 4] per row: temperature, top-k (vocab: off), top-p, greedy flag."""
+    """[N, 5] per row: temperature, top-k (vocab: off), top-p, greedy flag, min-p."""
     rows = []
     for s in seqs:
         p = s.params
         # NOTE: greedy rows draw too (their pick is discarded), at temperature 1 so nothing divides by 0.
-        rows.append((1.0 if p.greedy else p.temperature, p.top_k or vocab, p.top_p, float(p.greedy)))
+        rows.append((1.0 if p.greedy else p.temperature, p.top_k or vocab, p.top_p, float(p.greedy), p.min_p))
     return torch.tensor(rows, dtype=dtype)
+
+
+def _adjusted(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Collection[int]) -> torch.Tensor:
+    """A copy of ``logits`` with each row's adjustments applied, in vLLM's order: min_tokens, logit_bias, then the
+    repetition penalty (over prompt and generated tokens, as transformers' processor), then the frequency and
+    presence penalties (over generated tokens: OpenAI's formula)."""
+    logits = logits.clone()
+    vocab, device = logits.shape[1], logits.device
+    for row, s in enumerate(seqs):
+        p = s.params
+        if not p.adjusts_logits:
+            continue
+        x = logits[row]
+        generated = s.token_ids[s.num_prompt_tokens :]
+        if len(generated) < p.min_tokens:
+            barred = [t for t in {*eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
+            if barred:
+                x[to_device(torch.tensor(barred), device)] = float("-inf")
+        bias = {t: b for t, b in p.logit_bias.items() if b and t < vocab}
+        if bias:
+            ids = to_device(torch.tensor(list(bias)), device)
+            x[ids] += to_device(torch.tensor(list(bias.values()), dtype=x.dtype), device)
+        if p.repetition_penalty != 1.0:
+            ids = to_device(torch.tensor(sorted(set(s.token_ids))), device)
+            seen = x[ids]
+            x[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and generated:
+            ids, counts = torch.tensor(generated).unique(return_counts=True)
+            ids, counts = to_device(ids, device), to_device(counts.to(x.dtype), device)
+            x[ids] -= counts * p.frequency_penalty + p.presence_penalty
+    return logits
 
 
 def _race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -203,6 +203,26 @@ def test_eos_and_ignore_eos(eos_ckpt, eos_oracle):
         assert choice["finish_reason"] == "length"
 
 
+def test_min_tokens_and_logit_bias_reach_the_sampler(eos_ckpt, eos_oracle):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's min_tokens over HTTP give transformers' tokens
+    with its sequence_bias and min_new_tokens; a logit_bias key that is not a token id is a 400."""
+    body = {"messages": EOS_PROBE, "max_tokens": 20, "temperature": 0, "return_token_ids": True}
+    stopped = eos_oracle.generate(EOS_PROBE, 20)
+    banned = stopped[1]
+    with make_client(eos_ckpt) as client:
+        resp = client.post("/v1/chat/completions", json={**body, "min_tokens": len(stopped) + 4})
+        (choice,) = resp.json()["choices"]
+        assert choice["token_ids"] == eos_oracle.generate(EOS_PROBE, 20, min_new_tokens=len(stopped) + 4)
+        assert len(choice["token_ids"]) >= len(stopped) + 4
+        resp = client.post("/v1/chat/completions", json={**body, "logit_bias": {str(banned): -100}})
+        (choice,) = resp.json()["choices"]
+        assert choice["token_ids"] == eos_oracle.generate(EOS_PROBE, 20, sequence_bias={(banned,): -100.0})
+        assert banned not in choice["token_ids"]
+        for key in ("x", "-1", "10000000", "1.5"):
+            resp = client.post("/v1/chat/completions", json={**body, "logit_bias": {key: 1}})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias", resp.text
+
+
 def test_streaming_engine_failure_is_an_sse_error_event(tiny_ckpt, monkeypatch):
     """A step that fails after the response started ends the stream with an SSE error event and [DONE]."""
     # NOTE: paced by events, not by a step count: steps that only wait for the image's encoding return
