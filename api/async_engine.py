@@ -86,6 +86,8 @@ def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         if (p := prev.get(c.index)) is not None:
             c.delta_text = p.delta_text + c.delta_text
             c.delta_token_ids = p.delta_token_ids + c.delta_token_ids
+            if c.delta_logprobs is not None and p.delta_logprobs is not None:
+                c.delta_logprobs = p.delta_logprobs + c.delta_logprobs
     return new
 
 

@@ -18,7 +18,7 @@ from api.media import MediaFetcher
 from api.metrics import ServerMetrics
 from api.prompt import prepare_prompt
 from api.protocol import ChatCompletionRequest
-from lm_engine.outputs import RequestOutput
+from lm_engine.outputs import RequestOutput, TokenLogprob
 from lm_engine.sampling_params import SamplingParams
 
 _MIN_TOP_P = 1e-6
@@ -43,6 +43,24 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
+def logprobs_body(entries: list[TokenLogprob] | None) -> dict | None:
+    """OpenAI's choice.logprobs: per token its text, log-probability, UTF-8 bytes and top alternatives."""
+    if entries is None:
+        return None
+
+    def item(text: str, logprob: float) -> dict:
+        # NOTE: a token holding part of a multi-byte character decodes to U+FFFD; its bytes say the same.
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**item(e.token, e.logprob), "top_logprobs": [item(text, lp) for _, text, lp in e.top]}
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
 def completion_body(out: RequestOutput, model: str, return_ids: bool) -> dict:
     """The non-streamed chat.completion for a finished request (the server's answer and a batch line's)."""
     choices = []
@@ -51,7 +69,7 @@ def completion_body(out: RequestOutput, model: str, return_ids: bool) -> dict:
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
             "finish_reason": c.finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs_body(c.logprobs),
             "stop_reason": c.stop_reason,
         }
         if return_ids:
@@ -142,7 +160,7 @@ class _ChunkWriter:
             choice = {
                 "index": c.index,
                 "delta": {"content": c.delta_text} if c.delta_text else {},
-                "logprobs": None,
+                "logprobs": logprobs_body(c.delta_logprobs) if c.delta_logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             if finished:
@@ -211,6 +229,7 @@ class ChatService:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_tokens=req.min_tokens or 0,
                 min_p=req.min_p or 0.0,
+                logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None

@@ -79,7 +79,7 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    # Accepted so that clients sending the OpenAI defaults work; anything else is refused with a 400.
+    # Each generated token's log-probability under the model (before penalties, bias and temperature).
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # Options that decide what a completion must be. vlmserve has none of them; each is accepted at its
@@ -111,8 +111,11 @@ class ChatCompletionRequest(BaseModel):
         """(param, message) for the first option set to something vlmserve cannot do, or None."""
         fmt = (self.response_format or {}).get("type", "text")
         checks = [
-            ("logprobs", bool(self.logprobs), "logprobs are not supported"),
-            ("top_logprobs", bool(self.top_logprobs), "top_logprobs are not supported (logprobs are not)"),
+            (
+                "top_logprobs",
+                bool(self.top_logprobs) and not self.logprobs,
+                "top_logprobs needs logprobs: true",
+            ),
             (
                 "response_format",
                 fmt != "text",
@@ -178,11 +181,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobItem(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobItem] | None
+    refusal: list[TokenLogprobItem] | None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
 

@@ -20,9 +20,9 @@ from lm_engine.load import LoadControl
 from lm_engine.model_runner import ModelRunner
 from lm_engine.models.registry import ModelConfig, load_model_config
 from lm_engine.output_processor import OutputProcessor, RequestState
-from lm_engine.outputs import RequestError, RequestOutput
+from lm_engine.outputs import RequestError, RequestOutput, TokenLogprob
 from lm_engine.processor import ChatInput, InputError, InputProcessor, PromptInputs
-from lm_engine.sampler import sample
+from lm_engine.sampler import sample, token_logprobs
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from lm_engine.sequence import ImageItem, Sequence, SequenceStatus
@@ -214,7 +214,10 @@ class LLMEngine:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
                 logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
             now = self.clock()
-            for seq, tok in zip(seqs, sample(logits, seqs, self.outputs.eos_ids)):
+            tokens = sample(logits, seqs, self.outputs.eos_ids)
+            if any(s.params.logprobs is not None for s in seqs):
+                self._record_logprobs(seqs, token_logprobs(logits, seqs, tokens), tokens)
+            for seq, tok in zip(seqs, tokens):
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     if seq.index == 0:
@@ -223,6 +226,20 @@ class LLMEngine:
                     self.scheduler.finish(seq)
                 touched.add(seq.request_id)
         return [self._output(self.requests[rid]) for rid in touched]
+
+    def _record_logprobs(self, seqs: list[Sequence], entries: list, tokens: list[int]) -> None:
+        def text(tok: int) -> str:
+            return self.processor.decode([tok], skip_special_tokens=False)
+
+        for seq, entry, tok in zip(seqs, entries, tokens):
+            if entry is None:
+                continue
+            chosen, top = entry
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(
+                TokenLogprob(tok, text(tok), chosen, tuple((t, text(t), lp) for t, lp in top))
+            )
 
     def _fork_choices(self, completing: list[ScheduledChunk]) -> tuple[list[Sequence], list[int]]:
         """The sequences to sample, each with its logits row. The first time a request with n > 1 completes

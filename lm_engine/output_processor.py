@@ -94,6 +94,8 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                     delta_text=text[sent_chars:visible],
                     delta_token_ids=token_ids[sent_tokens:],
+                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    delta_logprobs=None if seq.logprobs is None else seq.logprobs[sent_tokens:],
                 )
             )
             state.emitted[seq.index] = (len(token_ids), visible)

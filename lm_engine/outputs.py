@@ -17,6 +17,17 @@ class RequestError:
     retry_after_s: float | None = None  # a 503's Retry-After
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (its raw logits' log-softmax, before any
+    penalty, bias or temperature), with the ``top`` most likely tokens at that step: (id, text, logprob)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -26,6 +37,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for them
+    delta_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

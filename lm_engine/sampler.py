@@ -41,6 +41,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Collection[int] 
     return torch.where(is_greedy.bool(), greedy, drawn).tolist()
 
 
+def token_logprobs(
+    logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """Per row: the sampled token's log-probability under the raw logits and the k likeliest (id, logprob)
+    pairs, k = its params' ``logprobs``; None for rows that did not ask. One device sync."""
+    rows = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(seqs)
+    if not rows:
+        return out
+    index = to_device(torch.tensor(rows), logits.device)
+    lp = logits.index_select(0, index).float().log_softmax(dim=-1)
+    chosen = lp.gather(1, to_device(torch.tensor([[tokens[j]] for j in rows]), logits.device)).squeeze(1)
+    k = max(seqs[j].params.logprobs for j in rows)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen, top_lp, top_ids = chosen.tolist(), top_lp.tolist(), top_ids.tolist()
+    for i, j in enumerate(rows):
+        want = seqs[j].params.logprobs
+        out[j] = (chosen[i], list(zip(top_ids[i][:want], top_lp[i][:want])))
+    return out
+
+
 def _settings(seqs: list[Sequence], vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """[N, 5] per row: temperature, top-k (vocab: off), top-p, greedy flag, min-p."""
     rows = []

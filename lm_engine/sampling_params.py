@@ -25,6 +25,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt and generated tokens: positive logits ÷ it, negative × it
     min_tokens: int = 0  # EOS and stop_token_ids are barred until this many tokens were generated
     min_p: float = 0.0  # drop tokens below min_p × the likeliest token's probability (after the temperature)
+    logprobs: int | None = (
+        None  # None: none; k: each token's log-probability and the k likeliest alternatives
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         for tok, bias in self.logit_bias.items():
             if not isinstance(tok, int) or tok < 0:
                 raise ValueError(f"logit_bias keys must be token ids, got {tok!r}")

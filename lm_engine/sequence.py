@@ -69,6 +69,7 @@ class Sequence:
     # (hash, key) of each full block of its tokens so far, chained; content-derived, so computed once.
     block_chain: list = field(default_factory=list)
     generator: torch.Generator | None = None
+    logprobs: list | None = None  # TokenLogprob per generated token, when its params ask for them
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
@@ -122,6 +123,7 @@ class Sequence:
             block_table=[],
             block_chain=list(self.block_chain),
             generator=None,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
             num_preemptions=0,
             first_admitted=True,
         )

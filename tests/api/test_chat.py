@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import openai
 import pytest
 
 from lm_engine import LLM, SamplingParams
@@ -351,3 +352,46 @@ def test_models_health_and_metrics(client, guarded_server, hf_oracle):
     assert m["vlmserve_engine_alive"] == 1
     assert m["vlmserve_visual_budget_level"] == 0  # --visual-budget fixed
     assert "vlmserve_preprocess_copied_results_total" in m  # copies happen only when the encoder falls behind
+
+
+def test_logprobs_through_the_openai_client(client, hf_oracle):
+    """logprobs / top_logprobs as the openai client parses them: per generated token its text, bytes and
+    log-probability (transformers' log-softmax at that step), the top alternatives; streamed the same."""
+    messages, conv = CONVERSATIONS["one-image"]
+    resp = greedy(client, messages, logprobs=True, top_logprobs=3)
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == len(choice.token_ids) == MAX_NEW
+    scores = hf_oracle.model.generate(
+        **hf_oracle.inputs(conv),
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    ).logits
+    tokenizer = hf_oracle.processor.tokenizer
+    for tok, item, step in zip(choice.token_ids, content, scores):
+        ref = step[0].float().log_softmax(-1)
+        assert abs(item.logprob - ref[tok].item()) < 1e-4
+        assert item.token == tokenizer.decode([tok]) and bytes(item.bytes) == item.token.encode()
+        top_ids = ref.topk(3).indices.tolist()
+        assert [t.token for t in item.top_logprobs] == [tokenizer.decode([t]) for t in top_ids]
+        assert item.top_logprobs[0].token == item.token  # greedy
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        temperature=0.0,
+        max_tokens=MAX_NEW,
+        stream=True,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    streamed = [item for chunk in stream for c in chunk.choices if c.logprobs for item in c.logprobs.content]
+    assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
+    assert [[t.logprob for t in i.top_logprobs] for i in streamed] == [
+        [t.logprob for t in i.top_logprobs] for i in content
+    ]
+    plain = greedy(client, messages)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        greedy(client, messages, top_logprobs=2)
