@@ -228,8 +228,12 @@ class LLMEngine:
         return [self._output(self.requests[rid]) for rid in touched]
 
     def _record_logprobs(self, seqs: list[Sequence], entries: list, tokens: list[int]) -> None:
+        texts: dict[int, str] = {}  # a token is usually among its own top alternatives, and rows share them
+
         def text(tok: int) -> str:
-            return self.processor.decode([tok], skip_special_tokens=False)
+            if tok not in texts:
+                texts[tok] = self.processor.decode([tok], skip_special_tokens=False)
+            return texts[tok]
 
         for seq, entry, tok in zip(seqs, entries, tokens):
             if entry is None:

@@ -53,7 +53,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 2.0 or self.repetition_penalty != self.repetition_penalty:
+        if not 0.0 < self.repetition_penalty <= 2.0:  # NaN fails the comparison too
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

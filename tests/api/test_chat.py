@@ -103,15 +103,7 @@ def test_greedy_equals_transformers_and_offline(client, hf_oracle, offline, name
 def test_streaming_equals_non_streaming(client):
     messages = user(image_url_part(data_url(PNG)), "Describe it.")
     full = greedy(client, messages)
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        temperature=0.0,
-        max_tokens=MAX_NEW,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True},
-    )
+    stream = greedy(client, messages, stream=True, stream_options={"include_usage": True})
     text, ids, finish, usage, roles = "", [], None, None, 0
     for chunk in stream:
         if chunk.usage is not None:
@@ -377,15 +369,7 @@ def test_logprobs_through_the_openai_client(client, hf_oracle):
         top_ids = ref.topk(3).indices.tolist()
         assert [t.token for t in item.top_logprobs] == [tokenizer.decode([t]) for t in top_ids]
         assert item.top_logprobs[0].token == item.token  # greedy
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=messages,
-        temperature=0.0,
-        max_tokens=MAX_NEW,
-        stream=True,
-        logprobs=True,
-        top_logprobs=3,
-    )
+    stream = greedy(client, messages, stream=True, logprobs=True, top_logprobs=3)
     streamed = [item for chunk in stream for c in chunk.choices if c.logprobs for item in c.logprobs.content]
     assert [(i.token, i.logprob) for i in streamed] == [(i.token, i.logprob) for i in content]
     assert [[t.logprob for t in i.top_logprobs] for i in streamed] == [
