@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lm_engine.sampling_params import MAX_INT, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS
+
 # NOTE: strict — "2" is not an integer and true is not a number, as in the OpenAI API; unknown fields
 # are ignored, as vLLM does, so clients that send extra OpenAI options keep working.
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -28,6 +30,8 @@ class ImagePart(BaseModel):
     type: Literal["image_url"]
     image_url: ImageURL | Annotated[str, Field(min_length=1)]
 
+
+_Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
@@ -69,16 +73,22 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(
-        None, ge=-1, description="vLLM extension: sample among the k likeliest; -1 or 0: off"
+        None,
+        ge=-1,
+        le=MAX_INT,
+        description="vLLM extension: sample among the k likeliest; -1 or 0: off; past the vocabulary: all of it",
     )
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     user: str | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)]
+        | None
+    ) = None
     # Each generated token's log-probability under the model (before penalties, bias and temperature).
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -100,7 +110,7 @@ class ChatCompletionRequest(BaseModel):
     )
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: int | None = Field(None, ge=0, le=MAX_INT)
     # Refused unless unset, as the options above.
     guided_json: str | dict | None = None
     guided_regex: str | None = None

@@ -68,6 +68,7 @@ class LLMEngine:
         )
         workers = config.preprocess_workers
         self.preprocess_pool = PreprocessPool(workers) if workers > 0 else None
+        row_width = self.runner.vision.out_dim * (1 + self.runner.vision.levels)
         self.vision = VisionPipeline(
             self.runner.encode_images,
             pp,
@@ -77,13 +78,15 @@ class LLMEngine:
             max_batch_patches=config.encoder_max_batch_patches,
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
-            row_width=self.runner.vision.out_dim * (1 + self.runner.vision.levels),
+            row_width=row_width,
         )
         if config.encoder_url or config.encoder_workers:
             from encoder.tier.client import connect
 
             self.vision = connect(config, self.vision, self.embedding_cache, self.processor.model_fingerprint)
-        self.images = EncodedImages(self.vision, self.runner.place)
+        self.images = EncodedImages(
+            self.vision, self.runner.place, row_width, self.model_config.spatial_merge_size
+        )
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
         self.requests: dict[str, RequestState] = {}
@@ -202,9 +205,15 @@ class LLMEngine:
         return failed
 
     def _run(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """One forward pass and its sampling. A failure that one request's inputs cause (its parameters, its
+        embeddings) ends that request alone, with an error of its own; the others go on as if it had not
+        been in the step. A failure no single request explains is the engine's and is raised."""
         self.step_count += 1
-        completing, logits = self.runner.execute(sched, self.images.ready)
+        faults: dict[str, BaseException] = {}
+        completing, logits = self._execute(sched, faults)
         for chunk in sched.chunks:
+            if chunk.seq.request_id in faults:
+                continue
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.block_manager.commit(chunk.seq)
             self.requests[chunk.seq.request_id].ticket.release()  # scheduled: out of the admission queue
@@ -214,20 +223,105 @@ class LLMEngine:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
                 logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
             now = self.clock()
-            tokens = sample(logits, seqs, self.outputs.eos_ids)
+            eos = self.outputs.eos_ids
+            tokens = self._isolated(lambda j: sample(logits[j], seqs[j], eos), seqs, faults)
+            live = [j for j, s in enumerate(seqs) if s.request_id not in faults]
+            if len(live) < len(seqs):
+                seqs, tokens = [seqs[j] for j in live], [tokens[j] for j in live]
+                logits = logits.index_select(
+                    0, to_device(torch.tensor(live, dtype=torch.long), logits.device)
+                )
             if any(s.params.logprobs is not None for s in seqs):
-                self._record_logprobs(seqs, token_logprobs(logits, seqs, tokens), tokens)
+                entries = self._isolated(
+                    lambda j: token_logprobs(logits[j], seqs[j], tokens[j]), seqs, faults
+                )
+                self._record_logprobs(seqs, entries, tokens, faults)
             for seq, tok in zip(seqs, tokens):
+                if seq.request_id in faults:
+                    continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     if seq.index == 0:
                         self.load.first_token(now - seq.arrival_time)
-                if self.outputs.append(seq, tok):
-                    self.scheduler.finish(seq)
+                try:
+                    if self.outputs.append(seq, tok):
+                        self.scheduler.finish(seq)
+                except Exception as exc:  # detokenizing, stop strings: this request's own
+                    _raise_if_engine_fault(exc)
+                    faults[seq.request_id] = exc
+                    continue
                 touched.add(seq.request_id)
-        return [self._output(self.requests[rid]) for rid in touched]
+        failed = [self._fault(self.requests[rid], exc) for rid, exc in faults.items() if rid in self.requests]
+        return failed + [self._output(self.requests[rid]) for rid in touched - faults.keys()]
 
-    def _record_logprobs(self, seqs: list[Sequence], entries: list, tokens: list[int]) -> None:
+    def _execute(
+        self, sched: SchedulerOutput, faults: dict[str, BaseException]
+    ) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """The forward pass. If it fails, each chunk runs again on its own (re-writing its own KV slots, as
+        the failed pass would have): those that fail alone are their requests' faults, recorded in ``faults``,
+        and the rest are the step's result. If every chunk runs alone, or every request's fails alone too, the
+        fault is the engine's and is raised."""
+        try:
+            return self.runner.execute(sched, self.images.ready)
+        except Exception as exc:
+            _raise_if_engine_fault(exc)
+            error = exc
+        log.warning("a step of %d chunk(s) failed (%r); running them one by one", len(sched.chunks), error)
+        completing, parts = [], []
+        for chunk in sched.chunks:
+            if chunk.seq.request_id in faults:
+                continue  # another choice of the same request failed
+            try:
+                # NOTE: no block copies: the failed pass made them before it built its inputs.
+                done, logits = self.runner.execute(SchedulerOutput(chunks=[chunk]), self.images.ready)
+            except Exception as exc:
+                _raise_if_engine_fault(exc)
+                faults[chunk.seq.request_id] = exc
+                continue
+            completing += done
+            parts.append(logits)
+        requests = {c.seq.request_id for c in sched.chunks}
+        if not faults or (len(requests) > 1 and set(faults) == requests):
+            raise error  # nothing runs alone, or everything fails alone: the engine's fault, not a request's
+        keep = [i for i, c in enumerate(completing) if c.seq.request_id not in faults]
+        logits = torch.cat(parts) if parts else torch.empty(0, self.model_config.vocab_size)
+        if len(keep) != len(completing):
+            logits = logits.index_select(0, to_device(torch.tensor(keep, dtype=torch.long), logits.device))
+        return [completing[i] for i in keep], logits
+
+    def _isolated(self, fn, seqs: list[Sequence], faults: dict[str, BaseException]) -> list:
+        """``fn(rows)`` for a slice of ``seqs`` (one result per row) over all of them; if that fails, row by row,
+        so a row that fails on its own is its request's fault (None in its place) and the other rows keep
+        their results. If every row succeeds alone, or every request's row fails alone too, the failure is the
+        engine's and is raised."""
+        try:
+            return fn(slice(None))
+        except Exception as exc:
+            _raise_if_engine_fault(exc)
+            error = exc
+        out: list = []
+        for row, seq in enumerate(seqs):
+            try:
+                out += fn(slice(row, row + 1))
+            except Exception as exc:
+                _raise_if_engine_fault(exc)
+                faults[seq.request_id] = exc
+                out.append(None)
+        failing = {seq.request_id for seq in seqs if seq.request_id in faults}
+        if not failing or (len(failing) > 1 and failing == {seq.request_id for seq in seqs}):
+            raise error  # nothing fails alone, or everything does: the engine's fault, not a request's
+        return out
+
+    def _fault(self, state: RequestState, exc: BaseException) -> RequestOutput:
+        """End a request whose own inputs failed the step (the others in it went on)."""
+        log.error("request %s failed in a step: %s: %s", state.request_id, type(exc).__name__, exc)
+        self._finish_all(state, "error")
+        error = RequestError(500, f"this request failed in the engine: {type(exc).__name__}", "engine_error")
+        return self.outputs.failure(state, error)
+
+    def _record_logprobs(
+        self, seqs: list[Sequence], entries: list, tokens: list[int], faults: dict[str, BaseException]
+    ) -> None:
         texts: dict[int, str] = {}  # a token is usually among its own top alternatives, and rows share them
 
         def text(tok: int) -> str:
@@ -236,7 +330,7 @@ class LLMEngine:
             return texts[tok]
 
         for seq, entry, tok in zip(seqs, entries, tokens):
-            if entry is None:
+            if entry is None or seq.request_id in faults:
                 continue
             chosen, top = entry
             if seq.logprobs is None:
@@ -306,6 +400,12 @@ class LLMEngine:
             assert not seq.block_table and seq.seq_id not in running_ids
         held = {im.key for st in self.requests.values() for im in st.images}
         assert set(self.images.ready) <= held and set(self.images.failed) <= held
+
+
+def _raise_if_engine_fault(exc: Exception) -> None:
+    """Re-raise what no request's inputs can cause: the device is unusable, or memory ran out."""
+    if is_fatal_device_error(exc) or isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        raise exc
 
 
 def _compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:

@@ -17,12 +17,25 @@ import torch
 from cache import EmbeddingKey
 from encoder import EncodeJob, VisionPipeline
 from lm_engine.sequence import ImageItem
+from preprocess import num_visual_tokens
+
+
+class MalformedEmbedding(RuntimeError):
+    """An embedding whose layout is not what the decoder reads for its key (a bad cache entry, a bad peer)."""
 
 
 class EncodedImages:
-    def __init__(self, pipeline: VisionPipeline, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        pipeline: VisionPipeline,
+        place: Callable[[torch.Tensor], torch.Tensor],
+        row_width: int,
+        merge_size: int,
+    ) -> None:
         self.pipeline = pipeline
         self.place = place  # onto the engine's device (an embedding read back from Redis is on the CPU)
+        self.row_width = row_width  # every deepstack level included
+        self.merge_size = merge_size
         self.ready: dict[EmbeddingKey, torch.Tensor] = {}
         self.failed: dict[EmbeddingKey, BaseException] = {}
         self._holders: Counter[EmbeddingKey] = Counter()
@@ -63,8 +76,20 @@ class EncodedImages:
                 continue
             if result.error is not None:
                 self.failed[result.key] = result.error
+            elif (why := self._malformed(result.key, result.embedding)) is not None:
+                # NOTE: checked where it enters: a wrong shape would otherwise fail the step of every request
+                # batched with the one holding it.
+                self.failed[result.key] = MalformedEmbedding(why)
             else:
                 self.ready[result.key] = self.place(result.embedding)
+
+    def _malformed(self, key: EmbeddingKey, emb: torch.Tensor) -> str | None:
+        rows = num_visual_tokens(key.grid, self.merge_size)
+        if not isinstance(emb, torch.Tensor) or not emb.is_floating_point():
+            return f"the embedding is not a floating-point tensor ({type(emb).__name__})"
+        if tuple(emb.shape) != (rows, self.row_width):
+            return f"the embedding is {tuple(emb.shape)}, the image's grid needs ({rows}, {self.row_width})"
+        return None
 
     @property
     def waiting(self) -> bool:

@@ -68,7 +68,8 @@ def _settings(seqs: list[Sequence], vocab: int, dtype: torch.dtype) -> torch.Ten
     for s in seqs:
         p = s.params
         # NOTE: greedy rows draw too (their pick is discarded), at temperature 1 so nothing divides by 0.
-        rows.append((1.0 if p.greedy else p.temperature, p.top_k or vocab, p.top_p, float(p.greedy), p.min_p))
+        top_k = min(p.top_k, vocab) or vocab  # NOTE: past the vocabulary means all of it (as vLLM clamps)
+        rows.append((1.0 if p.greedy else p.temperature, top_k, p.top_p, float(p.greedy), p.min_p))
     return torch.tensor(rows, dtype=dtype)
 
 
@@ -78,29 +79,39 @@ def _adjusted(logits: torch.Tensor, seqs: list[Sequence], eos_ids: Collection[in
     presence penalties (over generated tokens: OpenAI's formula)."""
     logits = logits.clone()
     vocab, device = logits.shape[1], logits.device
-    for row, s in enumerate(seqs):
-        p = s.params
-        if not p.adjusts_logits:
-            continue
-        x = logits[row]
-        generated = s.token_ids[s.num_prompt_tokens :]
-        if len(generated) < p.min_tokens:
+    rows = [(row, s, s.params) for row, s in enumerate(seqs) if s.params.adjusts_logits]
+    for row, s, p in rows:
+        if s.num_output_tokens < p.min_tokens:
             barred = [t for t in {*eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
             if barred:
-                x[to_device(torch.tensor(barred), device)] = float("-inf")
-        bias = {t: b for t, b in p.logit_bias.items() if b and t < vocab}
-        if bias:
-            ids = to_device(torch.tensor(list(bias)), device)
-            x[ids] += to_device(torch.tensor(list(bias.values()), dtype=x.dtype), device)
+                logits[row, to_device(torch.tensor(barred), device)] = float("-inf")
+    _add_bias(logits, [(row, *p.bias_tensors()) for row, _, p in rows if p.logit_bias])
+    for row, s, p in rows:
+        x = logits[row]
         if p.repetition_penalty != 1.0:
             ids = to_device(torch.tensor(sorted(set(s.token_ids))), device)
             seen = x[ids]
             x[ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        generated = s.token_ids[s.num_prompt_tokens :]
         if (p.frequency_penalty or p.presence_penalty) and generated:
             ids, counts = torch.tensor(generated).unique(return_counts=True)
             ids, counts = to_device(ids, device), to_device(counts.to(x.dtype), device)
             x[ids] -= counts * p.frequency_penalty + p.presence_penalty
     return logits
+
+
+def _add_bias(logits: torch.Tensor, biased: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+    """Every row's logit_bias in one scatter, from the (ids, values) tensors each request built once: a
+    request's bias costs a step no Python work per entry, however many entries and choices it has. Ids past
+    the logits' width are ignored."""
+    if not biased:
+        return
+    rows = torch.cat([torch.full_like(ids, row) for row, ids, _ in biased])
+    ids = torch.cat([ids for _, ids, _ in biased])
+    values = torch.cat([values for _, _, values in biased]).to(logits.dtype)
+    keep = ids < logits.shape[1]
+    index = to_device(torch.stack([rows[keep], ids[keep]]), logits.device)
+    logits.index_put_((index[0], index[1]), to_device(values[keep], logits.device), accumulate=True)
 
 
 def _race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -94,6 +94,16 @@ def test_netguard_refuses_non_loopback_in_server_process(server):
         pytest.param({**OK, "repetition_penalty": 0}, "greater_than", id="repetition-penalty-0"),
         pytest.param({**OK, "min_p": 1.5}, "less_than_equal", id="min-p-high"),
         pytest.param({**OK, "min_tokens": 3}, None, id="min-tokens-over-max-tokens"),
+        # Integers a step could not hold in a tensor are refused at the door (they used to fail the whole step).
+        pytest.param({**OK, "top_k": 10**400}, "less_than_equal", id="top-k-huge"),
+        pytest.param({**OK, "max_tokens": 10**30}, "less_than_equal", id="max-tokens-huge"),
+        pytest.param(
+            {**OK, "min_tokens": 10**30, "max_tokens": None}, "less_than_equal", id="min-tokens-huge"
+        ),
+        pytest.param(
+            {**OK, "logit_bias": {str(i): 1 for i in range(301)}}, "too_long", id="logit-bias-301-entries"
+        ),
+        pytest.param({**OK, "stop": "x" * 1025}, None, id="stop-string-too-long"),
     ],
 )
 def test_malformed_requests(server, body, code):
