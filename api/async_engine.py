@@ -72,6 +72,7 @@ class _Add:
     client_key: str
     stream: RequestStream
     ticket: Ticket
+    cache_salt: str = ""
 
 
 @dataclass(slots=True)
@@ -184,19 +185,32 @@ class AsyncEngine:
     # -- the asyncio side ----------------------------------------------------------------------------------
     def check_admission(self, num_tokens: int = 0, client_key: str = "") -> None:
         """Raise EngineOverloaded if new work of ``num_tokens`` prompt tokens from ``client_key`` must be
-        refused; never waits on the engine thread. Call it before any work on a request (media,
-        preprocessing) with 0 tokens."""
+        refused; never waits on the engine thread."""
         self.engine.admission.check(num_tokens, client_key)
 
+    def admit(self, client_key: str = "") -> Ticket:
+        """A place in the admission queue for a request whose prompt is not built yet (raises EngineOverloaded
+        when it must be refused); never waits on the engine thread. Take it before any work on the request
+        (media, preprocessing), so requests fetching their images count as queued; ``add_request`` adds the
+        prompt's tokens to it. Whoever took it releases it if the request never gets that far."""
+        return self.engine.admission.admit(0, client_key)
+
     async def add_request(
-        self, request_id: str, prompt: PromptInputs, params: SamplingParams, client_key: str = ""
+        self,
+        request_id: str,
+        prompt: PromptInputs,
+        params: SamplingParams,
+        client_key: str = "",
+        ticket: Ticket | None = None,
+        cache_salt: str = "",
     ) -> RequestStream:
         """Submit a request; returns once the engine accepted it. Raises EngineOverloaded at once when
-        admission control refuses it, InputError if the engine refused it."""
-        ticket = self.engine.admission.admit(len(prompt.token_ids), client_key)
+        admission control refuses it, InputError if the engine refused it. ``ticket``: the one ``admit`` gave
+        (its prompt tokens are added to it), else one is taken here. ``cache_salt``: see LLMEngine.add_request."""
+        ticket = self.engine.admission.admit(len(prompt.token_ids), client_key, ticket=ticket)
         stream = RequestStream(request_id, self, ticket=ticket)
         try:
-            self._submit(_Add(request_id, prompt, params, client_key, stream, ticket))
+            self._submit(_Add(request_id, prompt, params, client_key, stream, ticket, cache_salt))
             await stream.accepted
         except BaseException:
             stream.close()  # cancelled while waiting (client gone), or refused: nothing may stay behind
@@ -274,7 +288,10 @@ class AsyncEngine:
         try:
             # NOTE: admission control already ran on the event loop (the ticket); deciding again here would
             # make a refusal wait for the step in progress.
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.client_key, ticket=cmd.ticket)
+            salt = {"cache_salt": cmd.cache_salt} if cmd.cache_salt else {}
+            self.engine.add_request(
+                cmd.request_id, cmd.prompt, cmd.params, cmd.client_key, ticket=cmd.ticket, **salt
+            )
         except InputError as exc:  # the client's error
             self._post(self._settle, cmd.stream, exc)
             return

@@ -250,24 +250,52 @@ class ChatService:
         return out
 
     # -- serving -------------------------------------------------------------------------------------------
+    def fairness_key(self, req: ChatCompletionRequest, caller: str, tenant: str | None) -> str:
+        """Whose share of the prefill a request takes: the API key's tenant when keys are configured, else the
+        caller's address (server.py); the request's own `user` field only where a gateway in front sets it
+        (``fair_share_by_user``), since a client names itself there."""
+        base = f"tenant:{tenant}" if tenant is not None else caller
+        if self.args.fair_share_by_user and req.user:
+            return f"{base}/user:{req.user}"
+        return base
+
+    def cache_salt(self, req: ChatCompletionRequest, tenant: str | None) -> str:
+        """What keeps this request's cache entries apart from other tenants' (empty: shared with every request
+        without one). The tenant's name when keys isolate tenants, and the request's own ``cache_salt``."""
+        parts = []
+        if tenant is not None and self.args.cache_salt_per_api_key:
+            parts.append(["tenant", tenant])
+        if req.cache_salt is not None:
+            parts.append(["request", req.cache_salt])
+        return json.dumps(parts, separators=(",", ":")) if parts else ""
+
     async def create(
-        self, req: ChatCompletionRequest, arrival: float, client_key: str = ""
+        self, req: ChatCompletionRequest, arrival: float, caller: str = "", tenant: str | None = None
     ) -> dict | StreamingResponse:
+        """``caller``: the client's address; ``tenant``: the API key's tenant (None without keys)."""
         model = self.check_model(req.model)
         params = self.sampling_params(req)
-        # NOTE: the fairness key: the request's `user`, else the caller's identity (see server.py).
-        client_key = req.user or client_key
-        # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step.
-        self.engine.check_admission(client_key=client_key)
-        prompt = await prepare_prompt(
-            self.engine.engine,
-            [m.to_engine() for m in req.messages],
-            self.media,
-            max_images=self.args.max_images,
-            executor=self.executor,
-        )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.engine.add_request(request_id, prompt, params, client_key=client_key)
+        client_key = self.fairness_key(req, caller, tenant)
+        salt = self.cache_salt(req, tenant)
+        # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step, and
+        # an admitted request counts as queued while it fetches (its prompt's tokens are added once known).
+        ticket = self.engine.admit(client_key)
+        try:
+            prompt = await prepare_prompt(
+                self.engine.engine,
+                [m.to_engine() for m in req.messages],
+                self.media,
+                max_images=self.args.max_images,
+                executor=self.executor,
+                cache_salt=salt,
+            )
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            stream = await self.engine.add_request(
+                request_id, prompt, params, client_key=client_key, ticket=ticket, cache_salt=salt
+            )
+        except BaseException:
+            ticket.release()
+            raise
         timing = _Timing(arrival)
         outputs = _outputs(stream, timing)
         if not req.stream:

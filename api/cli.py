@@ -346,17 +346,68 @@ def _check_visual_level(args: argparse.Namespace, model: str) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from api.config import ServerArgs
+    from api.config import ConnectionLimits, ServerArgs
 
     srv = functools.partial(_default, ServerArgs)
     p.add_argument(
         "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
     )
     p.add_argument("--port", type=int, default=srv("port"))
-    p.add_argument(
+    sec = p.add_argument_group("clients and tenants (README: Security)")
+    sec.add_argument(
         "--api-key",
-        default=os.environ.get("VLMSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VLMSERVE_API_KEY)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes and /metrics; repeat for several keys, each its "
+        "own tenant (default: $VLMSERVE_API_KEY)",
+    )
+    sec.add_argument(
+        "--api-key-file",
+        default=None,
+        help="API keys, one per line as 'KEY [TENANT]' (keys sharing a tenant name are one tenant)",
+    )
+    sec.add_argument(
+        "--cache-salt-per-api-key",
+        action=argparse.BooleanOptionalAction,
+        default=srv("cache_salt_per_api_key"),
+        help="each API key's tenant gets its own prefix and embedding caches, so no tenant can tell what another "
+        "sent from cached_tokens or a fast first token (default: on; off shares them across keys)",
+    )
+    sec.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key even when keys are set",
+    )
+    sec.add_argument(
+        "--trusted-proxies",
+        default="",
+        help="comma-separated addresses of balancers whose X-Forwarded-For names the client (default: none; "
+        "the peer's own address is the client's)",
+    )
+    sec.add_argument(
+        "--fair-share-by-user",
+        action="store_true",
+        help="share prefill fairly by the request's 'user' field too (only behind a gateway that sets it: "
+        "otherwise a client names itself); default: by API key, else by client address",
+    )
+    limits = ConnectionLimits()
+    sec.add_argument(
+        "--header-timeout",
+        type=float,
+        default=limits.header_timeout_s,
+        help="seconds a request's head may take to arrive (then 408 and the connection is closed)",
+    )
+    sec.add_argument(
+        "--body-timeout",
+        type=float,
+        default=limits.body_timeout_s,
+        help="seconds a request's body may take to arrive after its head",
+    )
+    sec.add_argument(
+        "--max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="open client connections at most; a new one past it gets 503 and is closed",
     )
     p.add_argument(
         "--max-request-bytes",
@@ -427,8 +478,22 @@ def _add_load_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _api_keys(args: argparse.Namespace) -> dict[str, str]:
+    """--api-key (each its own tenant), --api-key-file, else $VLMSERVE_API_KEY; key → tenant name."""
+    from api.config import read_api_keys, tenant_name
+
+    given = args.api_key or ([os.environ["VLMSERVE_API_KEY"]] if os.environ.get("VLMSERVE_API_KEY") else [])
+    keys = {key: tenant_name(key) for key in given if key}
+    if args.api_key_file:
+        try:
+            keys.update(read_api_keys(args.api_key_file))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"vlmserve serve: --api-key-file: {exc}") from None
+    return keys
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api.config import ServerArgs
+    from api.config import ConnectionLimits, ServerArgs
     from api.server import run_server
     from encoder.tier import command as encoder_tier
     from lm_engine.config import EngineConfig
@@ -454,7 +519,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_names=names,
-        api_key=args.api_key or None,
+        api_keys=_api_keys(args),
+        cache_salt_per_api_key=args.cache_salt_per_api_key,
+        metrics_public=args.metrics_public,
+        trusted_proxies=[a.strip() for a in args.trusted_proxies.split(",") if a.strip()],
+        fair_share_by_user=args.fair_share_by_user,
+        limits=ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections),
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         media=_media_config(args),
         max_request_bytes=args.max_request_bytes,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from api.media import MediaConfig
 from lm_engine.config import EngineConfig
@@ -40,6 +42,15 @@ def parse_limit_mm(text: str) -> dict[str, int]:
     return out
 
 
+@dataclass(slots=True, frozen=True)
+class ConnectionLimits:
+    """What a client may take of the server before its request is read (api/http_guard.py)."""
+
+    header_timeout_s: float = 15.0  # a request's head, from its first byte (or from the connection)
+    body_timeout_s: float = 120.0  # its body, from the end of the head
+    max_connections: int = 1024  # open at once; past it a new one gets a 503 and is closed
+
+
 @dataclass(slots=True)
 class ServerArgs:
     engine: EngineConfig
@@ -48,13 +59,29 @@ class ServerArgs:
     served_model_names: list[str] = field(
         default_factory=list
     )  # the first is reported; default: the model path
-    api_key: str | None = None
+    api_key: str | None = None  # one more key (named "default"), for callers that set a single one
+    api_keys: dict[str, str] = field(default_factory=dict)  # key → its tenant's name
+    # Each key's tenant gets its own prefix and embedding caches (a salt in every cache key), so one tenant
+    # cannot tell from cached_tokens or a fast first token what another sent. Off: keys share the caches.
+    cache_salt_per_api_key: bool = True
+    metrics_public: bool = False  # /metrics without a key even when keys are set
+    # Peers whose X-Forwarded-For names the client (a balancer in front); anyone else's is ignored.
+    trusted_proxies: list[str] = field(default_factory=list)
+    # The request's `user` field as the fairness identity (behind a gateway that sets it); otherwise a
+    # client could take many fair shares by naming itself anew, or get a victim refused by naming it.
+    fair_share_by_user: bool = False
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    parse_off_loop_bytes: int = 256 * 1024  # larger bodies are parsed on a worker thread
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
     media: MediaConfig = field(default_factory=MediaConfig)
     max_request_bytes: int = 64 * 1024 * 1024  # the whole JSON body, data: URLs included
     preprocess_threads: int = 2  # chat templating, tokenization and image processing off the event loop
     log_level: str = "info"
     replica_name: str | None = None  # sent as x-vlmserve-replica on every response (api/replica.py)
+
+    def __post_init__(self) -> None:
+        if self.api_key:
+            self.api_keys = {**self.api_keys, self.api_key: self.api_keys.get(self.api_key, "default")}
 
     @property
     def max_images(self) -> int:
@@ -64,3 +91,25 @@ class ServerArgs:
     def model_names(self) -> list[str]:
         """Names clients may use in ``model``; the first is the one reported."""
         return self.served_model_names or [self.engine.model]
+
+
+def tenant_name(key: str) -> str:
+    """A key's tenant when none is named: a digest prefix, so logs and metrics never hold the key itself."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def read_api_keys(path: str | Path) -> dict[str, str]:
+    """``--api-key-file``: one key per line, optionally followed by the tenant's name (``KEY [NAME]``); blank lines
+    and ``#`` comments are skipped. Keys sharing a name are one tenant."""
+    keys: dict[str, str] = {}
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, name = line.partition(" ")
+        if key in keys:
+            raise ValueError(f"{path}:{n}: a key is listed twice")
+        keys[key] = name.strip() or tenant_name(key)
+    if not keys:
+        raise ValueError(f"{path}: no API keys in it")
+    return keys

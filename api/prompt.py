@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import Executor
 
 from api.errors import APIError
@@ -41,14 +42,19 @@ async def prepare_prompt(
     *,
     max_images: int,
     executor: Executor | None = None,
+    cache_salt: str = "",
 ) -> PromptInputs:
     """OpenAI-style messages (image parts as ``{"type": "image_url", "image_url": {"url", "detail"}}``) → prompt.
 
-    The image count is checked before anything is fetched. Chat templating, tokenization and image
+    The image count is checked before anything is fetched. ``cache_salt``: the request's images are keyed under
+    it (see LLMEngine.process_chat). Chat templating, tokenization and image
     processing run in ``executor``: they are CPU work that must not stall the event loop.
     """
     chat = normalize(messages, max_images)
     for image, data in zip(chat.images, await fetch_all(media, [im.source for im in chat.images])):
         image.source = data
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, engine.process_chat, chat)
+    process = (
+        functools.partial(engine.process_chat, cache_salt=cache_salt) if cache_salt else engine.process_chat
+    )
+    return await loop.run_in_executor(executor, process, chat)

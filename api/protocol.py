@@ -104,6 +104,13 @@ class ChatCompletionRequest(BaseModel):
     audio: dict | None = None
     prediction: dict | None = None
     # vLLM extensions.
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="vLLM extension: requests share cached prompt blocks and image embeddings only with "
+        "requests that send the same salt",
+    )
     ignore_eos: bool = False
     return_token_ids: bool = Field(
         False, description="vLLM extension: add prompt_token_ids and per-choice token_ids to the response"

@@ -13,12 +13,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.async_engine import AsyncEngine
 from api.chat import ChatService, visual_level_header
 from api.config import ServerArgs
-from api.errors import APIError, install_error_handlers
+from api.errors import APIError, from_validation_error, install_error_handlers
 from api.media import MediaFetcher
 from api.metrics import ServerMetrics
 from api.protocol import ChatCompletion, ChatCompletionRequest, ErrorBody, ModelCard, ModelList
@@ -123,38 +125,67 @@ class _Server:
     def routes(self) -> APIRouter:
         router = APIRouter()
         auth = [Depends(self.check_key)]
+        tenant_of = Depends(self.check_key)
+
+        async def chat_completions(request: Request, response: Response, tenant: str | None = tenant_of):
+            """Chat completion; with ``stream: true`` the response is ``text/event-stream`` chunks."""
+            return await self.chat_completions(request, response, tenant)
+
         router.add_api_route(
             CHAT_PATH,
-            self.chat_completions,
+            chat_completions,
             methods=["POST"],
             response_model=ChatCompletion,
             response_model_exclude_unset=True,  # extension fields appear only when asked for
             responses=_ERRORS,
-            dependencies=auth,
+            openapi_extra=_CHAT_BODY,
         )
         router.add_api_route(
             "/v1/models", self.models, response_model=ModelList, responses=_ERRORS, dependencies=auth
         )
         router.add_api_route("/health", self.health, responses={503: {"model": ErrorBody}})
-        router.add_api_route("/metrics", self.prometheus, response_class=Response)
+        metrics_auth = [] if self.args.metrics_public else auth
+        router.add_api_route("/metrics", self.prometheus, response_class=Response, dependencies=metrics_auth)
         return router
 
     async def check_key(
         self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
-    ) -> None:
-        key = self.args.api_key
-        if key is None:
-            return
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), key.encode()):
+    ) -> str | None:
+        """The caller's tenant (None when no keys are configured); a 401 without a valid key."""
+        keys = self.args.api_keys
+        if not keys:
+            return None
+        given = creds.credentials.encode() if creds is not None else b""
+        tenant = None
+        for key, name in keys.items():  # NOTE: every key compared, in constant time each
+            if hmac.compare_digest(given, key.encode()) and creds is not None:
+                tenant = name
+        if tenant is None:
             raise APIError(
                 401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key"
             )
+        return tenant
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request, response: Response):
-        """Chat completion; with ``stream: true`` the response is ``text/event-stream`` chunks."""
+    async def chat_body(self, request: Request) -> ChatCompletionRequest:
+        """The request body, parsed and validated; a large one on a worker thread, so that the event loop keeps
+        answering (health checks, other clients' streams) while megabytes of JSON are parsed. Validation from
+        the raw bytes in one pass lets the parser yield the interpreter now and then; building Python objects
+        first and validating them after would hold it for all of a large body's seconds."""
+        raw = await request.body()
+        try:
+            if len(raw) > self.args.parse_off_loop_bytes:
+                return await asyncio.to_thread(ChatCompletionRequest.model_validate_json, raw)
+            return ChatCompletionRequest.model_validate_json(raw)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    async def chat_completions(self, request: Request, response: Response, tenant: str | None):
         arrival = time.monotonic()
-        client = request.client.host if request.client else ""
-        result = await cancel_on_disconnect(request, self.chat.create(body, arrival, client_key=client))
+        body = await self.chat_body(request)
+        # NOTE: the peer's address; uvicorn takes it from X-Forwarded-For only for --trusted-proxies.
+        caller = request.client.host if request.client else ""
+        work = self.chat.create(body, arrival, caller=caller, tenant=tenant)
+        result = await cancel_on_disconnect(request, work)
         if result is None:
             self.metrics.count("aborted")
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -182,6 +213,32 @@ class _Server:
         return Response(data, media_type=content_type)
 
 
+# The chat route parses its own body (see _Server.chat_body); this gives the schema its place in /openapi.json.
+_CHAT_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+    }
+}
+
+
+def _openapi_with_request_schema(app: FastAPI):
+    """``app.openapi`` with ChatCompletionRequest (and what it refers to) among the component schemas."""
+    plain = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = plain()
+            _, defs = models_json_schema(
+                [(ChatCompletionRequest, "validation")], ref_template="#/components/schemas/{model}"
+            )
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
     """The server app; builds the engine from ``args.engine`` unless one is given."""
     server = _Server(args, engine or LLMEngine(args.engine))
@@ -198,14 +255,29 @@ def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
     app.state.metrics = server.metrics  # app.state.metrics.register(collector) adds a stage's collector
     install_error_handlers(app, server.count_error)
     app.include_router(server.routes())
+    app.openapi = _openapi_with_request_schema(app)
     return app
 
 
 def run_server(args: ServerArgs) -> None:
     import uvicorn
 
-    if args.api_key is None and args.host not in ("127.0.0.1", "::1", "localhost"):
+    from api.http_guard import guarded_protocol
+
+    if not args.api_keys and args.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     app = create_app(args)
     log.info("serving %s as %r on http://%s:%d", args.engine.model, args.model_names[0], args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        http=guarded_protocol(args.limits),
+        # NOTE: X-Forwarded-For names the client only when a trusted balancer sent it; uvicorn's own default
+        # trusts it from 127.0.0.1, where a balancer that passes a client's header through would let any
+        # client pick its own address (its fair share, or a victim to get refused).
+        proxy_headers=bool(args.trusted_proxies),
+        forwarded_allow_ips=",".join(args.trusted_proxies) or None,
+    )

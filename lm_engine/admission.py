@@ -124,16 +124,23 @@ class Admission:
         with self._lock:
             self._check(num_tokens, client)
 
-    def admit(self, num_tokens: int, client: str = "") -> Ticket:
-        """Check and count a request in one step (no other request gets in between)."""
+    def admit(self, num_tokens: int, client: str = "", ticket: Ticket | None = None) -> Ticket:
+        """Check and count a request in one step (no other request gets in between). With the ``ticket`` the
+        request got before its prompt was known (the server takes one before fetching any media, with 0
+        tokens, so fetches cannot pile up uncounted), its prompt tokens are checked and added to it; on a
+        refusal the ticket is left as it was (its holder releases it)."""
         with self._lock:
-            self._check(num_tokens, client)
-            self.queued_requests += 1
+            counted = ticket is not None and ticket._owner is self
+            self._check(num_tokens, client, counted=counted)
+            if not counted:
+                self.queued_requests += 1
+                ticket = Ticket(self, 0)
             self.queued_tokens += num_tokens
+            ticket.tokens += num_tokens
             self._admitted_since[client] = self._admitted_since.get(client, 0) + num_tokens
-        return Ticket(self, num_tokens)
+        return ticket
 
-    def _check(self, num_tokens: int, client: str) -> None:
+    def _check(self, num_tokens: int, client: str, counted: bool = False) -> None:
         state = self.state
         requests, tokens = self.max_queued_requests, self.max_queued_tokens
         reason = state.reason if state.overloaded else None
@@ -147,7 +154,7 @@ class Admission:
             wait = state.fair_wait_s(client, num_tokens, self._admitted_since)
             if wait is not None and wait <= state.admit_within_s:
                 reason = None  # the queue is other clients' work: fair sharing serves this one in time
-        if reason is None and requests is not None and self.queued_requests >= requests:
+        if reason is None and requests is not None and self.queued_requests - counted >= requests:
             reason = f"{self.queued_requests} requests are already queued"
         if reason is None and tokens is not None and self.queued_tokens + num_tokens > tokens:
             reason = "the queue of prompt tokens is full"

@@ -156,6 +156,9 @@ class Cluster:
         if self.spec.served_model_names:
             cmd += ["--served-model-name", *self.spec.served_model_names]
         cmd += ["--host", "127.0.0.1", "--port", str(r.port), "--replica-name", r.name]
+        # NOTE: the balancer replaces any X-Forwarded-For a client sent with the client's real address
+        # (haproxy.cfg.in), so the replicas take it from there and from nowhere else.
+        cmd += ["--trusted-proxies", "127.0.0.1"]
         if self.spec.redis_url:
             cmd += ["--redis-url", self.spec.redis_url]
         if self.encoder is not None:

@@ -87,8 +87,10 @@ def fetches(monkeypatch) -> list[str]:
     return seen
 
 
-def make_client(ckpt, **engine_kw) -> TestClient:
-    args = ServerArgs(engine=EngineConfig(model=str(ckpt), num_kv_blocks=64, **engine_kw))
+def make_client(ckpt, server_kw: dict | None = None, **engine_kw) -> TestClient:
+    args = ServerArgs(
+        engine=EngineConfig(model=str(ckpt), num_kv_blocks=64, **engine_kw), **(server_kw or {})
+    )
     return TestClient(create_app(args), raise_server_exceptions=False)
 
 
@@ -145,23 +147,71 @@ def test_saturated_engine_refuses_at_once_while_in_a_long_step(tiny_ckpt, fetche
         assert "vlmserve_admission_overloaded 0.0" in client.get("/metrics").text
 
 
-def test_overload_refuses_the_client_whose_queue_it_is_and_admits_another(tiny_ckpt, fetches):
-    """The fairness key (the request's ``user``, else the caller) reaches admission control: with the queue
-    all one client's, that client is refused and another one, which fair sharing would serve in time, is not."""
+def overloaded_by(engine: LLMEngine, client: str) -> None:
+    """What a step would publish with 9 s of ``client``'s work queued (the engine is idle: nothing replaces it)."""
     from types import MappingProxyType
 
-    with make_client(tiny_ckpt, visual_budget="adaptive") as client:
-        engine = client.app.state.engine.engine
-        # what a step would publish with 9 s of the hog's work queued (the engine is idle: nothing replaces it)
-        engine.admission.state = AdmissionState(
-            True, 9.0, "9.0 s of queued work is ahead of a new request", 9.0,
-            MappingProxyType({"hog": 9000}), 1000.0, 1.5,
-        )  # fmt: skip
-        resp = client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "hog"})
-        assert_overloaded(resp, retry_after=9)
+    engine.admission.state = AdmissionState(
+        True, 9.0, "9.0 s of queued work is ahead of a new request", 9.0,
+        MappingProxyType({client: 9000}), 1000.0, 1.5,
+    )  # fmt: skip
+
+
+def test_overload_refuses_the_tenant_whose_queue_it_is_and_admits_another(tiny_ckpt, fetches):
+    """With API keys the fairness key is the key's tenant: with the queue all one tenant's, that tenant is refused
+    (whatever `user` it names) and another one, which fair sharing would serve in time, is not."""
+    keys = {"hog-key": "hog", "polite-key": "polite"}
+    with make_client(tiny_ckpt, server_kw={"api_keys": keys}, visual_budget="adaptive") as client:
+        overloaded_by(client.app.state.engine.engine, "tenant:hog")
+        for user in (None, "polite", "someone-new"):  # naming another client changes nothing
+            body = {**WITH_IMAGE, "user": user} if user else WITH_IMAGE
+            resp = client.post(CHAT_PATH, json=body, headers={"Authorization": "Bearer hog-key"})
+            assert_overloaded(resp, retry_after=9)
         assert fetches == []  # refused before the image was fetched
-        assert client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "polite"}).status_code == 200
+        ok = client.post(CHAT_PATH, json=WITH_IMAGE, headers={"Authorization": "Bearer polite-key"})
+        assert ok.status_code == 200
         assert fetches == [PNG_URL]
+
+
+def test_without_keys_the_fair_share_is_the_callers_address_not_its_user_field(tiny_ckpt, fetches):
+    """A client that names a new `user` in each request would take a new fair share each time (and one that names
+    a victim would get the victim refused): the field counts only behind a gateway that sets it."""
+    with make_client(tiny_ckpt, visual_budget="adaptive") as client:
+        overloaded_by(client.app.state.engine.engine, "testclient")  # TestClient's address
+        for user in ("polite", "someone-new"):
+            assert_overloaded(client.post(CHAT_PATH, json={**WITH_IMAGE, "user": user}), retry_after=9)
+        assert fetches == []
+    with make_client(tiny_ckpt, server_kw={"fair_share_by_user": True}, visual_budget="adaptive") as client:
+        overloaded_by(client.app.state.engine.engine, "testclient/user:hog")
+        assert_overloaded(client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "hog"}), retry_after=9)
+        assert client.post(CHAT_PATH, json={**WITH_IMAGE, "user": "polite"}).status_code == 200
+
+
+def test_a_request_fetching_its_images_counts_as_queued(tiny_ckpt, monkeypatch):
+    """Admission counts a request before its media is fetched: requests whose fetches are slow cannot pile up
+    past --max-queued-requests uncounted (each holding its images' bytes)."""
+    fetching, release = threading.Event(), threading.Event()
+    real = MediaFetcher.fetch
+
+    async def slow(self, url: str):
+        fetching.set()
+        await asyncio.to_thread(release.wait, 2 * WAIT_S)
+        return await real(self, url)
+
+    monkeypatch.setattr(MediaFetcher, "fetch", slow)
+    with make_client(tiny_ckpt, max_queued_requests=1) as client:
+        admission = client.app.state.engine.engine.admission
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.post, CHAT_PATH, json=WITH_IMAGE)
+            assert fetching.wait(WAIT_S)
+            assert admission.queued_requests == 1
+            resp = client.post(CHAT_PATH, json=CHAT)
+            release.set()
+            assert first.result().status_code == 200
+        assert_overloaded(resp)
+        assert "1 requests are already queued" in resp.json()["error"]["message"]
+        assert admission.queued_requests == 0 and admission.queued_tokens == 0
+        assert client.post(CHAT_PATH, json=CHAT).status_code == 200
 
 
 def test_queued_token_bound_is_checked_with_the_prompt_size(tiny_ckpt):

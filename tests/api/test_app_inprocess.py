@@ -42,7 +42,58 @@ def test_api_key(tiny_ckpt):
         assert client.get("/v1/models", headers=ok).status_code == 200
         assert client.post("/v1/chat/completions", json=CHAT, headers=ok).status_code == 200
         assert client.get("/health").status_code == 200  # probes need no key
+        # /metrics tells what was served (cache hits, queue lengths): a key's holders only, unless public.
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers=ok).status_code == 200
+    with make_client(tiny_ckpt, api_key="s3cret", metrics_public=True) as client:
         assert client.get("/metrics").status_code == 200
+        assert client.get("/v1/models").status_code == 401
+
+
+def test_several_api_keys_each_a_tenant(tiny_ckpt, tmp_path):
+    from api.config import read_api_keys
+
+    path = tmp_path / "keys"
+    path.write_text("# tenants\nk-alpha alpha\nk-beta beta\n\nk-alpha2 alpha\nk-anon\n")
+    keys = read_api_keys(path)
+    assert keys["k-alpha"] == keys["k-alpha2"] == "alpha" and keys["k-beta"] == "beta"
+    assert keys["k-anon"].startswith("key-") and "k-anon" not in keys["k-anon"]
+    with make_client(tiny_ckpt, api_keys=keys) as client:
+        for key in keys:
+            resp = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"})
+            assert resp.status_code == 200, resp.text
+        assert (
+            client.post(
+                "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer k-alph"}
+            ).status_code
+            == 401
+        )
+    path.write_text("k-1\nk-1 again\n")
+    with pytest.raises(ValueError, match="listed twice"):
+        read_api_keys(path)
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(tiny_ckpt, monkeypatch):
+    """Megabytes of JSON parsed on the event loop hold every other client (and the balancer's health checks)
+    for seconds; past the threshold the body is parsed on a worker thread."""
+    from api.protocol import ChatCompletionRequest
+
+    threads: list[str] = []
+    real = ChatCompletionRequest.model_validate_json
+
+    def recording(raw, *args, **kw):
+        threads.append(threading.current_thread().name)
+        return real(raw, *args, **kw)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate_json", recording)
+    with make_client(tiny_ckpt, parse_off_loop_bytes=300) as client:
+        loop_thread = client.portal.call(lambda: threading.current_thread().name)
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        padded = {**CHAT, "messages": [{"role": "system", "content": "x" * 400}, *CHAT["messages"]]}
+        assert client.post("/v1/chat/completions", json=padded).status_code == 200
+        bad = client.post("/v1/chat/completions", content=b'{"messages": "' + b"x" * 5000 + b'"}')
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert threads[0] == loop_thread and threads[1] != loop_thread and threads[2] != loop_thread
 
 
 def test_request_body_cap(tiny_ckpt):
