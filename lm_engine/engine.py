@@ -44,11 +44,16 @@ class LLMEngine:
         self.model_config = load_model_config(path)
         self.dtype = _compute_dtype(config, self.model_config)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
-        self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
+        self.processor = InputProcessor(
+            path, self.model_config, self.preprocess_config, config.hash_algorithm
+        )
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
         self.runner = ModelRunner(path, self.model_config, config, self.dtype, max_model_len)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            hash_algorithm=config.hash_algorithm,
         )
         # NOTE: a sequence must always fit the pool on its own, or preemption could never make room for it.
         pool_tokens = self.runner.num_blocks * config.block_size

@@ -20,6 +20,7 @@ from lm_engine.models.qwen2_vl import mrope_positions
 from lm_engine.models.registry import ModelConfig
 from lm_engine.sequence import ImageItem
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
+from preprocess.hashing import DEFAULT_HASH, check_algorithm
 
 _VIDEO_PARTS = ("video", "video_url", "input_video")
 
@@ -174,11 +175,6 @@ def _offline_bytes(source: bytes | str | Image.Image) -> bytes | Image.Image:
     )
 
 
-def image_identity(data: bytes) -> str:
-    """xxh3_128 of the encoded bytes as received."""
-    return image_hash(data)
-
-
 _PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
 
 
@@ -195,7 +191,13 @@ class InputProcessor:
     """Chat template + tokenizer + image grid planning. Images are only probed here (header, no decode):
     decoding, resizing and encoding happen in the vision pipeline, and not at all on a cache hit."""
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, preprocess_config: PreprocessConfig) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        preprocess_config: PreprocessConfig,
+        hash_algorithm: str = DEFAULT_HASH,
+    ) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -210,6 +212,7 @@ class InputProcessor:
         self.preprocess_config = preprocess_config
         self.preprocess_fingerprint = preprocess_config.fingerprint()
         self.model_fingerprint = ""  # set once the vision weights are loaded
+        self.hash_algorithm = check_algorithm(hash_algorithm)  # of image identity and embedding keys
         self.merge = cfg.spatial_merge_size
         self.max_prompt_tokens = 0  # set by the engine once the context is known; 0: no early bound
         self.longest_token = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
@@ -271,11 +274,12 @@ class InputProcessor:
         except PreprocessError as exc:
             raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
         key = EmbeddingKey(
-            image_identity(data),
+            image_hash(data, self.hash_algorithm),
             grid,
             self.preprocess_fingerprint,
             self.model_fingerprint,
             getattr(self.cfg, "deepstack_levels", 0),
+            self.hash_algorithm,
         )
         return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 
