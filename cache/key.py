@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from preprocess.hashing import DEFAULT_HASH, check_algorithm, digest
 
 # NOTE: bump when the canonical encoding changes, so old Redis entries stop matching
-# instead of being read under a new meaning. v2: the hash algorithm became part of the key, and digests are
-# that algorithm's (v1 entries were xxh3-128 over bytes without it).
+# instead of being read under a new meaning. v2: the hash algorithm (and any cache salt) became part of the
+# key, and digests are that algorithm's (v1 entries were xxh3-128 over bytes without either).
 _KEY_SCHEMA = "vlmserve.emb-key.v2"
 
 
@@ -21,7 +21,7 @@ def _field(value: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class EmbeddingKey:
-    """What an image's connector output depends on.
+    """What an image's connector output depends on, and who may share it.
 
     image_hash: hex digest of the encoded bytes as received, under ``hash_algorithm``.
     grid: (t, h, w) patch grid the image was resized to (the visual budget is part of identity).
@@ -30,6 +30,7 @@ class EmbeddingKey:
     levels: deepstack levels each embedding row carries after the main one (the entry's layout).
     hash_algorithm: what ``image_hash`` and ``raw`` are computed with (preprocess.hashing): two servers
         configured differently never take each other's entries for their own.
+    cache_salt: the request's cache salt; salted requests share embeddings only with the same salt.
     """
 
     image_hash: str
@@ -38,6 +39,7 @@ class EmbeddingKey:
     model_fingerprint: str
     levels: int = 0
     hash_algorithm: str = DEFAULT_HASH
+    cache_salt: str = ""
     # The digest, computed once: prefix-cache block hashes read it for every block an image touches.
     raw: bytes = field(init=False, repr=False, compare=False)
 
@@ -57,6 +59,9 @@ class EmbeddingKey:
                 _field(self.preprocess_fingerprint),
                 _field(self.model_fingerprint),
                 struct.pack("<q", self.levels),
+                # NOTE: only when salted, and last (the one optional field, length-prefixed, so present and
+                # absent cannot encode alike): unsalted keys keep their shape.
+                _field(self.cache_salt) if self.cache_salt else b"",
             )
         )
 

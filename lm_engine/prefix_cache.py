@@ -5,6 +5,8 @@ placeholder span overlaps the block, the image's identity and the span's offset 
 Placeholder token ids are the same for every image, so without the extra keys one image's KV would be
 served to another image's question. A hash is a digest of the deployment's identity hash
 (preprocess.hashing): cryptographic unless it opted into xxh3, since prompts and images are the clients'.
+The first block also takes the request's cache salt (vLLM's ``cache_salt``), so prefix reuse never crosses
+salts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class BlockKey:
     # tuple of ints costs ~5x as much (each id past 256 is an int object of its own).
     token_ids: bytes
     extra: tuple[bytes, ...]
+    salt: str = ""  # the request's cache salt, in its first block only (a later block has it via its parent)
 
 
 def block_extra_keys(images: Seq[ImageItem], start: int, end: int) -> tuple[bytes, ...]:
@@ -46,13 +49,15 @@ def _framed(part: bytes) -> bytes:
 def hash_block(key: BlockKey, algorithm: str = DEFAULT_HASH) -> bytes:
     # NOTE: never Python's hash(): it is salted per process and attackable (CVE-2025-25183); every part framed by
     # its length, so no two keys encode alike.
-    parts = [key.parent, key.token_ids, *key.extra]
+    parts = [key.parent, key.salt.encode("utf-8"), key.token_ids, *key.extra]
     return digest(b"".join(_framed(p) for p in parts), algorithm)
 
 
-def block_key(parent: bytes, token_ids: Seq[int], images: Seq[ImageItem], start: int) -> BlockKey:
+def block_key(
+    parent: bytes, token_ids: Seq[int], images: Seq[ImageItem], start: int, salt: str = ""
+) -> BlockKey:
     packed = array("q", token_ids).tobytes()
-    return BlockKey(parent, packed, block_extra_keys(images, start, start + len(token_ids)))
+    return BlockKey(parent, packed, block_extra_keys(images, start, start + len(token_ids)), salt)
 
 
 def extend_chain(
@@ -64,7 +69,11 @@ def extend_chain(
     for i in range(len(chain), num_blocks):
         parent = chain[-1][0] if chain else ROOT_HASH
         key = block_key(
-            parent, seq.token_ids[i * block_size : (i + 1) * block_size], seq.images, i * block_size
+            parent,
+            seq.token_ids[i * block_size : (i + 1) * block_size],
+            seq.images,
+            i * block_size,
+            "" if chain else seq.cache_salt,
         )
         chain.append((hash_block(key, algorithm), key))
     return chain

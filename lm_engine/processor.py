@@ -221,10 +221,14 @@ class InputProcessor:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def process_chat(
-        self, chat: ChatInput | list[dict], budget: Callable[[str | None], int | None] | None = None
+        self,
+        chat: ChatInput | list[dict],
+        budget: Callable[[str | None], int | None] | None = None,
+        cache_salt: str = "",
     ) -> PromptInputs:
         """Messages (or their normalized form, image sources already fetched) → the prompt.
-        ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's)."""
+        ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's).
+        ``cache_salt``: the request's salt; its images' embeddings are shared only with the same salt."""
         if not isinstance(chat, ChatInput):
             chat = normalize_messages(chat)
         # NOTE: no token is longer than the longest in the vocabulary, so text this long cannot fit the
@@ -245,7 +249,7 @@ class InputProcessor:
         items, data = [], {}
         for i, image in enumerate(chat.images):
             item, data_i = self.process_image(
-                _offline_bytes(image.source), budget(image.detail) if budget else None, i
+                _offline_bytes(image.source), budget(image.detail) if budget else None, i, cache_salt
             )
             items.append(item)
             data[item.key] = data_i
@@ -263,9 +267,14 @@ class InputProcessor:
         return PromptInputs(token_ids, placed, positions, delta, data)
 
     def process_image(
-        self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0
+        self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0, cache_salt: str = ""
     ) -> tuple[ImageItem, bytes]:
-        """An image's item (placed at offset -1 until the prompt places it) and its encoded bytes."""
+        """An image's item (placed at offset -1 until the prompt places it) and its encoded bytes.
+
+        NOTE: a salted request's embedding key carries its salt, so the embedding cache (L1 and Redis) is not
+        shared across salts either. An embedding hit is visible to the tenant as a much faster first token (an
+        encoder pass takes seconds on a CPU), which would tell it that someone else sent this image recently:
+        the very signal cache_salt exists to hide. Unsalted requests share as before."""
         if isinstance(data, Image.Image):
             data = encode_pil(data)
         try:
@@ -280,6 +289,7 @@ class InputProcessor:
             self.model_fingerprint,
             getattr(self.cfg, "deepstack_levels", 0),
             self.hash_algorithm,
+            cache_salt,
         )
         return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 

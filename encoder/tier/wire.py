@@ -111,6 +111,7 @@ def key_to_json(key: EmbeddingKey) -> dict:
         "model": key.model_fingerprint,
         "levels": key.levels,  # part of the key's identity (and of the entry's layout): Qwen3-VL's deepstack
         "hash": key.hash_algorithm,
+        "salt": key.cache_salt,
     }
 
 
@@ -123,8 +124,8 @@ def key_from_json(obj: object, hash_algorithm: str) -> EmbeddingKey:
     try:
         grid = tuple(int(g) for g in obj["grid"])
         levels = int(obj.get("levels", 0))
-        pre, model = str(obj["preprocess"]), str(obj["model"])
-        return EmbeddingKey(obj["image_hash"], grid, pre, model, levels, hash_algorithm)
+        pre, model, salt = str(obj["preprocess"]), str(obj["model"]), str(obj.get("salt", ""))
+        return EmbeddingKey(obj["image_hash"], grid, pre, model, levels, hash_algorithm, salt)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad key: {exc}") from None
 

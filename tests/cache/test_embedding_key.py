@@ -67,6 +67,8 @@ def test_every_field_changes_the_digest() -> None:
         replace(KEY, preprocess_fingerprint="pre-7f3b"),
         replace(KEY, model_fingerprint="qwen2vl-tiny-91c3"),
         replace(KEY, levels=3),
+        replace(KEY, cache_salt="tenant-a"),
+        replace(KEY, cache_salt="tenant-b"),
         *(replace(KEY, hash_algorithm=a) for a in HASH_ALGORITHMS if a != KEY.hash_algorithm),
     ]
     digests = {KEY.digest(), *(v.digest() for v in variants)}
@@ -103,10 +105,23 @@ def test_images_colliding_under_xxh3_are_two_entries_unless_xxh3_is_chosen(algor
         assert len(cache.l1) == 2 and cache.get(key_a).sum() == 80 and cache.get(key_b).sum() == 0
 
 
+def test_salt_is_appended_only_when_given() -> None:
+    """Unsalted keys keep their shape; a salt is a length-prefixed field of its own at the end."""
+    salted = replace(KEY, cache_salt="tenant-a")
+    assert salted.canonical_bytes().startswith(KEY.canonical_bytes())
+    assert salted != KEY and salted.digest() != KEY.digest()
+    assert replace(KEY, cache_salt="").canonical_bytes() == KEY.canonical_bytes()
+
+
 def test_field_boundaries_are_unambiguous() -> None:
     a = EmbeddingKey("h", (1, 2, 3), "ab", "c")
     b = EmbeddingKey("h", (1, 2, 3), "a", "bc")
     assert a.digest() != b.digest()
+    # The salt, optional and last, cannot pose as a deepstack level count or vice versa.
+    assert (
+        EmbeddingKey("h", (1, 2, 3), "a", "b", 4).digest()
+        != EmbeddingKey("h", (1, 2, 3), "a", "b", 0, cache_salt="\0\0\0\0").digest()
+    )
 
 
 def test_digest_is_the_same_in_another_process_with_another_hash_seed() -> None:

@@ -1,4 +1,4 @@
-"""Keys on the encoder tier's wire: they carry their hash algorithm, and a receiver takes only keys
+"""Keys on the encoder tier's wire: they carry their hash algorithm and salt, and a receiver takes only keys
 hashed with its own algorithm (the same image's embedding under another's key would be a wrong hit)."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from preprocess.hashing import HASH_ALGORITHMS, image_hash
 
 
 @pytest.mark.parametrize("algorithm", HASH_ALGORITHMS)
-def test_keys_round_trip_with_their_algorithm(algorithm):
-    key = EmbeddingKey(image_hash(b"png bytes", algorithm), (1, 8, 6), "pre", "model", 2, algorithm)
+@pytest.mark.parametrize("salt", ["", "tenant-a"])
+def test_keys_round_trip_with_algorithm_and_salt(algorithm, salt):
+    key = EmbeddingKey(image_hash(b"png bytes", algorithm), (1, 8, 6), "pre", "model", 2, algorithm, salt)
     back = wire.key_from_json(wire.key_to_json(key), algorithm)
     assert back == key and back.digest() == key.digest()  # the digest names shipped entries
 

@@ -15,8 +15,10 @@ from tests.xxh3_collision import colliding_bmps
 BS = 4
 
 
-def seq_of(tokens: list[int], images: list[ImageItem] | None = None) -> Sequence:
-    return Sequence("r", list(tokens), len(tokens), SamplingParams(), images=images or [])
+def seq_of(tokens: list[int], images: list[ImageItem] | None = None, cache_salt: str = "") -> Sequence:
+    return Sequence(
+        "r", list(tokens), len(tokens), SamplingParams(), images=images or [], cache_salt=cache_salt
+    )
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -104,6 +106,32 @@ def test_images_colliding_under_xxh3_chain_apart_unless_xxh3_is_chosen(algorithm
         assert chains[0][0] != chains[1][0] and chains[0][1] != chains[1][1]
         assert bm.cached_prefix_tokens(second) == 0
     bm.check_integrity([first])
+
+
+def test_cache_salt_enters_the_first_block_and_separates_prefixes():
+    bm = BlockManager(32, BS)
+    tokens = list(range(13))
+    a = seq_of(tokens, cache_salt="tenant-a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-a")) == 12
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-b")) == 0
+    assert bm.cached_prefix_tokens(seq_of(tokens)) == 0  # unsalted: not a salted request's blocks
+    plain = seq_of(tokens)
+    bm.allocate(plain)
+    compute_all(bm, plain)
+    assert bm.cached_prefix_tokens(seq_of(tokens)) == 12
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-b")) == 0
+    keys = [k for _, k in a.block_chain]
+    assert [k.salt for k in keys] == ["tenant-a", "", ""]  # later blocks carry it through their parents
+    other = prefix_cache.extend_chain(seq_of(tokens, cache_salt="tenant-b"), 3, BS)
+    assert all(h != g for (h, _), (g, _) in zip(a.block_chain, other))
+    bm.check_integrity([a, plain])
+
+
+def test_a_forked_choice_keeps_the_salt():
+    parent = seq_of([1, 2, 3, 4, 5], cache_salt="tenant-a")
+    assert parent.fork(1).cache_salt == "tenant-a"
 
 
 def test_fork_then_copy_on_write():
