@@ -16,7 +16,7 @@ import blake3
 import xxhash
 
 # NOTE: blake3 is the fastest cryptographic candidate measured (benchmarks/hashing.py): on an AVX-512 EPYC with
-# SHA-NI, 12 MB at ~5.7 GB/s against sha256's ~1.8 and blake2b's ~0.9 (xxh3: ~59). The default is fixed, not
+# SHA-NI, 12 MB at 5.7 GB/s against sha256's 1.8 and blake2b's 0.9 (xxh3: 62). The default is fixed, not
 # measured at start-up: replicas sharing Redis must compute the same keys.
 DEFAULT_HASH = "blake3"
 HASH_ALGORITHMS = ("blake3", "sha256", "blake2b", "xxh3")
