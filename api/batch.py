@@ -395,7 +395,9 @@ class _BatchRun:
             if url.split(":", 1)[0].lower() in ("http", "https"):
                 key.append((url, detail))  # NOTE: fetched once, when the line runs, not here too
             else:
-                key.append((image_hash(await self.media.fetcher.fetch(url)), detail))
+                # NOTE: xxh3 whatever --hash-algorithm says: this key only orders lines (a collision groups two
+                # pages, which costs a wait, never a wrong answer); the engine keys the image itself.
+                key.append((image_hash(await self.media.fetcher.fetch(url), "xxh3"), detail))
         return tuple(key) or None
 
     # -- pass 1 --------------------------------------------------------------------------------------------

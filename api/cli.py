@@ -28,6 +28,7 @@ def _default(cls, name: str):
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from lm_engine.config import EngineConfig
+    from preprocess.hashing import HASH_ALGORITHMS
 
     e = functools.partial(_default, EngineConfig)
     p.add_argument(
@@ -69,6 +70,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--redis-key-prefix", default=e("redis_key_prefix"), help="prefix of this server's keys in Redis"
     )
+    g.add_argument(
+        "--hash-algorithm",
+        default=e("hash_algorithm"),
+        choices=HASH_ALGORITHMS,
+        help="identity hash of image bytes, embedding-cache keys and prefix-cache blocks (default: %(default)s, "
+        "the fastest cryptographic one measured). Servers sharing Redis or an encoder pool must agree; keys of "
+        "another algorithm are never read as their own. xxh3 is faster but NOT collision resistant: a client "
+        "can craft an image that collides with another's and be answered from its cached embeddings and KV "
+        "(or make others be answered from its own); use it only where every client is trusted",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -87,6 +98,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         embedding_cache_bytes=args.embedding_cache_mb << 20,
         redis_url=args.redis_url,
         redis_key_prefix=args.redis_key_prefix,
+        hash_algorithm=args.hash_algorithm,
         attention_backend=args.attention_backend,
     )
 

@@ -30,7 +30,15 @@ def entry_bytes(key: EmbeddingKey, tensor: torch.Tensor) -> int:
     NOTE: counts the key's strings as its own although keys of one model share their fingerprints: an
     overcount of about 130 bytes an entry, where an undercount would let many tiny entries pass the cap.
     """
-    fields = (key, key.image_hash, key.grid, key.preprocess_fingerprint, key.model_fingerprint, key.raw)
+    fields = (
+        key,
+        key.image_hash,
+        key.grid,
+        key.preprocess_fingerprint,
+        key.model_fingerprint,
+        key.cache_salt,
+        key.raw,
+    )
     big_ints = [g for g in key.grid if g > 256]  # CPython shares the small ones
     # NOTE: once made (as _owned does), the storage's Python object lives as long as the storage; its
     # getsizeof counts the data too.

@@ -31,7 +31,10 @@ log = logging.getLogger("vlmserve.encoder")
 
 
 def vision_fingerprint(tower: torch.nn.Module) -> str:
-    """xxh3_128 over the vision weights (names, dtypes, shapes, bytes): what an embedding depends on."""
+    """xxh3_128 over the vision weights (names, dtypes, shapes, bytes): what an embedding depends on.
+
+    NOTE: xxh3 whatever --hash-algorithm says: the operator chooses the weights, no client does (and hashing
+    gigabytes at start-up at ~10x blake3's speed matters); the key that carries it uses the chosen algorithm."""
     h = xxhash.xxh3_128()
     for name, tensor in sorted(tower.state_dict().items()):
         t = tensor.detach().contiguous().cpu()

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from lm_engine.prefix_cache import PrefixIndex, extend_chain, hash_block
 from lm_engine.sequence import Sequence
+from preprocess.hashing import DEFAULT_HASH, check_algorithm
 
 
 class BlockAllocator:
@@ -15,14 +16,14 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
 
     @property
     def num_free(self) -> int:
         return len(self.free)
 
-    def pop_free(self) -> tuple[int, int | None]:
+    def pop_free(self) -> tuple[int, bytes | None]:
         """Take the least recently freed block; returns it with the hash it held (now to be evicted)."""
         block_id, _ = self.free.popitem(last=False)
         old_hash, self.hashes[block_id] = self.hashes[block_id], None
@@ -43,10 +44,16 @@ class BlockAllocator:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, watermark: float = 0.01
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+        hash_algorithm: str = DEFAULT_HASH,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algorithm = check_algorithm(hash_algorithm)  # what block hashes are digests of
         self.allocator = BlockAllocator(num_blocks)
         self.index = PrefixIndex()
         self.watermark_blocks = max(1, int(watermark * num_blocks)) if num_blocks > 8 else 0
@@ -75,28 +82,31 @@ class BlockManager:
         # NOTE: at least the last token is computed, so a sampler has logits for it.
         n_full = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []
-        for block_hash, key in extend_chain(seq, n_full, self.block_size)[:n_full]:
+        for block_hash, key in self._chain(seq, n_full)[:n_full]:
             block_id = self.index.lookup(block_hash, key)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
-    def next_block_hash(self, seq: Sequence, index: int) -> int | None:
+    def _chain(self, seq: Sequence, num_blocks: int):
+        return extend_chain(seq, num_blocks, self.block_size, self.hash_algorithm)
+
+    def next_block_hash(self, seq: Sequence, index: int) -> bytes | None:
         """The hash of ``seq``'s full block ``index`` (None past its full blocks, or without prefix caching)."""
         n_full = seq.num_tokens // self.block_size
         if not self.enable_prefix_caching or index >= n_full:
             return None
-        return extend_chain(seq, index + 1, self.block_size)[index][0]
+        return self._chain(seq, index + 1)[index][0]
 
-    def blocks_in_flight(self, seqs: Iterable[Sequence]) -> set[int]:
+    def blocks_in_flight(self, seqs: Iterable[Sequence]) -> set[bytes]:
         """Hashes of the full blocks ``seqs`` hold but have not computed yet (empty without prefix caching)."""
         if not self.enable_prefix_caching:
             return set()
         out = set()
         for seq in seqs:
             n_full = seq.num_tokens // self.block_size
-            chain = extend_chain(seq, n_full, self.block_size)
+            chain = self._chain(seq, n_full)
             out.update(h for h, _ in chain[seq.num_committed_blocks : n_full])
         return out
 
@@ -173,7 +183,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.block_size
-        chain = extend_chain(seq, n_full, self.block_size)
+        chain = self._chain(seq, n_full)
         for i in range(seq.num_committed_blocks, n_full):
             block_hash, key = chain[i]
             block_id = seq.block_table[i]
@@ -211,8 +221,8 @@ class BlockManager:
                 f"block {b}: free list disagrees with refs"
             )
         for h, b in self.index.items():
-            assert alloc.hashes[b] == h, f"index maps {h:x} to block {b} which holds {alloc.hashes[b]}"
+            assert alloc.hashes[b] == h, f"index maps {h.hex()} to block {b} which holds {alloc.hashes[b]}"
             key = self.index.key_of(b)
-            assert key is not None and hash_block(key) == h
+            assert key is not None and hash_block(key, self.hash_algorithm) == h
         indexed = sum(1 for h in alloc.hashes if h is not None)
         assert indexed == len(self.index), "a block holds a hash the index does not know"

@@ -39,6 +39,10 @@ class EngineConfig:
     embedding_cache_bytes: int = 512 << 20  # L1 (in-process) embedding cache
     redis_url: str | None = None  # optional L2 shared by replicas
     redis_key_prefix: str = "vlmserve:"
+    # Identity hash of image bytes, embedding keys and prefix-cache blocks (preprocess.hashing.HASH_ALGORITHMS;
+    # this default is its DEFAULT_HASH, which a test holds equal). "xxh3" is for trusted clients only: its
+    # collisions can be built, and a colliding image is answered from another's embeddings and KV.
+    hash_algorithm: str = "blake3"
     encoder_max_batch_patches: int = 16384
     encoder_max_wait_ms: float = 2.0
     # Encoder tier: send cache misses to a `vlmserve encoder` pool at this URL (tcp://host:port, unix:///path),
@@ -83,6 +87,9 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        from preprocess.hashing import check_algorithm  # here: the config module stays free of preprocess
+
+        check_algorithm(self.hash_algorithm)
         if not 0 <= self.encoder_nice <= 19 or self.encoder_threads < 0:
             raise ValueError(
                 f"encoder_nice must be 0-19 and encoder_threads 0 or more, got {self.encoder_nice}, "

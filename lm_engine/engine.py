@@ -44,11 +44,16 @@ class LLMEngine:
         self.model_config = load_model_config(path)
         self.dtype = _compute_dtype(config, self.model_config)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
-        self.processor = InputProcessor(path, self.model_config, self.preprocess_config)
+        self.processor = InputProcessor(
+            path, self.model_config, self.preprocess_config, config.hash_algorithm
+        )
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
         self.runner = ModelRunner(path, self.model_config, config, self.dtype, max_model_len)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            hash_algorithm=config.hash_algorithm,
         )
         # NOTE: a sequence must always fit the pool on its own, or preemption could never make room for it.
         pool_tokens = self.runner.num_blocks * config.block_size
@@ -93,9 +98,12 @@ class LLMEngine:
         self.step_count = 0
 
     # -- requests ------------------------------------------------------------------------------------------
-    def process_chat(self, messages: list[dict] | ChatInput) -> PromptInputs:
-        """Messages → prompt; each image's grid is planned at the visual budget level of this moment."""
-        return self.processor.process_chat(messages, budget=self.load.visual_budget.max_pixels)
+    def process_chat(self, messages: list[dict] | ChatInput, cache_salt: str = "") -> PromptInputs:
+        """Messages → prompt; each image's grid is planned at the visual budget level of this moment. A salted
+        prompt's images are keyed with its ``cache_salt`` (pass the same salt to add_request)."""
+        return self.processor.process_chat(
+            messages, budget=self.load.visual_budget.max_pixels, cache_salt=cache_salt
+        )
 
     def add_request(
         self,
@@ -104,13 +112,18 @@ class LLMEngine:
         params: SamplingParams,
         client_key: str = "",
         ticket: Ticket | None = None,
+        cache_salt: str = "",
     ) -> None:
         """Queue a request. Admission control decides here unless the caller already did and passes the
         ``ticket`` it got (the server does, on its event loop, before the request reaches the engine thread)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not isinstance(prompt, PromptInputs):
-            prompt = self.process_chat(prompt)
+            prompt = self.process_chat(prompt, cache_salt)
+        if any(im.key.cache_salt != cache_salt for im in prompt.images):
+            raise ValueError(
+                "the prompt's images are keyed with another cache_salt: give process_chat the same"
+            )
         n_prompt = len(prompt.token_ids)
         self._check_fits(n_prompt)
         ticket = ticket or self.admission.admit(n_prompt, client_key)
@@ -123,6 +136,7 @@ class LLMEngine:
             positions=prompt.positions,
             position_delta=prompt.position_delta,
             client_key=client_key,
+            cache_salt=cache_salt,
             arrival_time=self.clock(),
             status=SequenceStatus.WAITING_FOR_IMAGES if prompt.images else SequenceStatus.WAITING,
         )

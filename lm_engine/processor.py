@@ -20,6 +20,7 @@ from lm_engine.models.qwen2_vl import mrope_positions
 from lm_engine.models.registry import ModelConfig
 from lm_engine.sequence import ImageItem
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
+from preprocess.hashing import DEFAULT_HASH, check_algorithm
 
 _VIDEO_PARTS = ("video", "video_url", "input_video")
 
@@ -174,11 +175,6 @@ def _offline_bytes(source: bytes | str | Image.Image) -> bytes | Image.Image:
     )
 
 
-def image_identity(data: bytes) -> str:
-    """xxh3_128 of the encoded bytes as received."""
-    return image_hash(data)
-
-
 _PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}
 
 
@@ -195,7 +191,13 @@ class InputProcessor:
     """Chat template + tokenizer + image grid planning. Images are only probed here (header, no decode):
     decoding, resizing and encoding happen in the vision pipeline, and not at all on a cache hit."""
 
-    def __init__(self, model_dir: str | Path, cfg: ModelConfig, preprocess_config: PreprocessConfig) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        preprocess_config: PreprocessConfig,
+        hash_algorithm: str = DEFAULT_HASH,
+    ) -> None:
         path = Path(model_dir)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -210,6 +212,7 @@ class InputProcessor:
         self.preprocess_config = preprocess_config
         self.preprocess_fingerprint = preprocess_config.fingerprint()
         self.model_fingerprint = ""  # set once the vision weights are loaded
+        self.hash_algorithm = check_algorithm(hash_algorithm)  # of image identity and embedding keys
         self.merge = cfg.spatial_merge_size
         self.max_prompt_tokens = 0  # set by the engine once the context is known; 0: no early bound
         self.longest_token = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
@@ -218,10 +221,14 @@ class InputProcessor:
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def process_chat(
-        self, chat: ChatInput | list[dict], budget: Callable[[str | None], int | None] | None = None
+        self,
+        chat: ChatInput | list[dict],
+        budget: Callable[[str | None], int | None] | None = None,
+        cache_salt: str = "",
     ) -> PromptInputs:
         """Messages (or their normalized form, image sources already fetched) → the prompt.
-        ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's)."""
+        ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's).
+        ``cache_salt``: the request's salt; its images' embeddings are shared only with the same salt."""
         if not isinstance(chat, ChatInput):
             chat = normalize_messages(chat)
         # NOTE: no token is longer than the longest in the vocabulary, so text this long cannot fit the
@@ -242,7 +249,7 @@ class InputProcessor:
         items, data = [], {}
         for i, image in enumerate(chat.images):
             item, data_i = self.process_image(
-                _offline_bytes(image.source), budget(image.detail) if budget else None, i
+                _offline_bytes(image.source), budget(image.detail) if budget else None, i, cache_salt
             )
             items.append(item)
             data[item.key] = data_i
@@ -260,9 +267,14 @@ class InputProcessor:
         return PromptInputs(token_ids, placed, positions, delta, data)
 
     def process_image(
-        self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0
+        self, data: bytes | Image.Image, max_pixels: int | None = None, index: int = 0, cache_salt: str = ""
     ) -> tuple[ImageItem, bytes]:
-        """An image's item (placed at offset -1 until the prompt places it) and its encoded bytes."""
+        """An image's item (placed at offset -1 until the prompt places it) and its encoded bytes.
+
+        NOTE: a salted request's embedding key carries its salt, so the embedding cache (L1 and Redis) is not
+        shared across salts either. An embedding hit is visible to the tenant as a much faster first token (an
+        encoder pass takes seconds on a CPU), which would tell it that someone else sent this image recently:
+        the very signal cache_salt exists to hide. Unsalted requests share as before."""
         if isinstance(data, Image.Image):
             data = encode_pil(data)
         try:
@@ -271,11 +283,13 @@ class InputProcessor:
         except PreprocessError as exc:
             raise InputError(f"image {index}: {exc.message}", param="image_url", code=exc.code) from None
         key = EmbeddingKey(
-            image_identity(data),
+            image_hash(data, self.hash_algorithm),
             grid,
             self.preprocess_fingerprint,
             self.model_fingerprint,
             getattr(self.cfg, "deepstack_levels", 0),
+            self.hash_algorithm,
+            cache_salt,
         )
         return ImageItem(-1, num_visual_tokens(grid, self.merge), key, max_pixels), data
 

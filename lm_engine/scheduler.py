@@ -48,7 +48,7 @@ class Scheduler:
         # Prefill tokens a step may carry beside decodes (None: the whole budget); the engine's load control
         # sets it from the per-token latency target and the measured prefill rate.
         self.prefill_cap: int | None = None
-        self._in_flight: set[int] = set()  # hashes of the full blocks running requests are computing
+        self._in_flight: set[bytes] = set()  # hashes of the full blocks running requests are computing
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

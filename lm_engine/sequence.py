@@ -58,6 +58,8 @@ class Sequence:
     position_delta: int = 0
     index: int = 0  # choice index within the request (n > 1)
     client_key: str = ""  # who sent it: prefill is shared fairly between clients
+    # Enters its first prefix-cache block's hash and key (vLLM's cache_salt): prefix reuse never crosses salts.
+    cache_salt: str = ""
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -80,6 +80,9 @@ class PreprocessConfig:
 
         min/max_pixels are left out on purpose: they only choose the grid, and the grid is
         already part of the embedding-cache key. Acceptance limits are left out too.
+
+        NOTE: xxh3 whatever --hash-algorithm says: the operator writes this config, no client does, and the key
+        that carries the fingerprint is hashed with the chosen algorithm.
         """
         canonical = {
             "schema": _FINGERPRINT_SCHEMA,

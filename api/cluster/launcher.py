@@ -105,6 +105,17 @@ class Replica:
         return ""
 
 
+def _flag_as_given(args: list[str], flag: str) -> list[str]:
+    """``flag`` with its value as ``args`` give it (``--flag V`` or ``--flag=V``; the last one wins), or []."""
+    found: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = [flag, args[i + 1]]
+        elif arg.startswith(flag + "="):
+            found = [arg]
+    return found
+
+
 class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         if spec.replicas < 1 and not spec.remote:
@@ -149,6 +160,8 @@ class Cluster:
         # NOTE: no Redis for the pool: the replicas here take embeddings as shared memory, and put them in the
         # shared Redis themselves (under their own key prefix).
         cmd += ["--workers", str(self.spec.encoder_workers)]
+        # NOTE: the replicas refuse a pool that keys images with another algorithm than theirs.
+        cmd += _flag_as_given(self.spec.serve_args, "--hash-algorithm")
         return Replica("encoder", 0, cmd, self.run_dir / "encoder.log"), f"unix://{sock}"
 
     def _serve_cmd(self, r: Replica) -> list[str]:

@@ -28,6 +28,7 @@ from encoder.pipeline import Encoded, EncodeJob, EncoderStats, VisionPipeline
 from encoder.tier import wire
 from encoder.tier.server import host_id
 from preprocess import PreprocessError, PreprocessWorkerError
+from preprocess.hashing import DEFAULT_HASH
 
 log = logging.getLogger("vlmserve.encoder.tier")
 
@@ -79,6 +80,7 @@ class RemoteVisionPipeline:
         timeout_s: float = 30.0,
         fallback: str = "local",
         model_fingerprint: str = "",
+        hash_algorithm: str = DEFAULT_HASH,
         reconnect_s: float = 1.0,
         owned: subprocess.Popen | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -88,7 +90,7 @@ class RemoteVisionPipeline:
         self.url, self.local, self.cache = url, local, cache
         self.timeout_s, self.fallback, self.reconnect_s = timeout_s, fallback, reconnect_s
         self.owned, self.clock = owned, clock
-        self.model_fingerprint = model_fingerprint
+        self.model_fingerprint, self.hash_algorithm = model_fingerprint, hash_algorithm
         self.remote = RemoteStats()
         self._cond = threading.Condition()
         self._sent: dict[EmbeddingKey, _Sent] = {}
@@ -231,6 +233,10 @@ class RemoteVisionPipeline:
         """The pool must compute what this engine would: the same weights, the same preprocessing."""
         if hello.get("preprocess") != self.local.config.fingerprint():
             raise ConnectionRefusedError("the encoder pool preprocesses differently from this engine")
+        if hello.get("hash") != self.hash_algorithm:
+            raise ConnectionRefusedError(
+                f"the encoder pool keys images with {hello.get('hash')}, not {self.hash_algorithm}"
+            )
         if self.model_fingerprint and hello.get("model") != self.model_fingerprint:
             raise ConnectionRefusedError(
                 "the encoder pool runs other vision weights (or dtype) than this engine"
@@ -356,6 +362,7 @@ def start_local_pool(
     startup_s: float = 600,
     threads: int = 0,
     nice: int = 0,
+    hash_algorithm: str = DEFAULT_HASH,
 ) -> tuple[subprocess.Popen, str]:
     """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL.
 
@@ -363,7 +370,7 @@ def start_local_pool(
     path = os.path.join(tempfile.mkdtemp(prefix="vlmserve-encoder-"), "encoder.sock")
     cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", model, "--workers", str(workers)]
     cmd += ["--socket", path, "--dtype", dtype, "--device", device, "--exit-with-parent"]
-    cmd += ["--threads", str(threads), "--nice", str(nice)]
+    cmd += ["--threads", str(threads), "--nice", str(nice), "--hash-algorithm", hash_algorithm]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + startup_s
     for line in proc.stdout:  # the ready line, or the end of its output if it failed
@@ -390,6 +397,7 @@ def connect(
             config.device,
             threads=config.encoder_threads,
             nice=config.encoder_nice,
+            hash_algorithm=config.hash_algorithm,
         )
     return RemoteVisionPipeline(
         url,
@@ -398,5 +406,6 @@ def connect(
         timeout_s=config.encoder_timeout_s,
         fallback=config.encoder_fallback,
         model_fingerprint=model_fingerprint,
+        hash_algorithm=config.hash_algorithm,
         owned=owned,
     )

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from preprocess.hashing import DEFAULT_HASH, HASH_ALGORITHMS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
@@ -47,6 +49,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-batch-patches", type=int, default=16384)
     p.add_argument(
+        "--hash-algorithm",
+        default=DEFAULT_HASH,
+        choices=HASH_ALGORITHMS,
+        help="the engines' --hash-algorithm (keys hashed otherwise are refused); xxh3 only for trusted clients",
+    )
+    p.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
     )
     p.set_defaults(func=cmd_encoder)
@@ -86,6 +94,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_ttl_s=args.redis_ttl_s,
             redis_timeout_s=args.redis_timeout_s,
             max_batch_patches=args.max_batch_patches,
+            hash_algorithm=args.hash_algorithm,
         ),
         exit_with_parent=args.exit_with_parent,
     )

@@ -34,6 +34,7 @@ from encoder.pipeline import Encoded, EncodeJob, VisionPipeline
 from encoder.tier import wire
 from encoder.tier.workers import WorkerPool
 from preprocess import PreprocessConfig, PreprocessPool
+from preprocess.hashing import DEFAULT_HASH
 
 log = logging.getLogger("vlmserve.encoder.tier")
 
@@ -65,6 +66,7 @@ class TierSettings:
     redis_max_queue: int = 64  # embeddings waiting for their Redis write; past it engines are told at once
     max_batch_patches: int = 16384
     max_wait_ms: float = 2.0
+    hash_algorithm: str = DEFAULT_HASH  # the engines' --hash-algorithm: keys hashed otherwise are refused
 
 
 @dataclass(slots=True)
@@ -223,11 +225,12 @@ class EncoderServer:
             "preprocess": self.preprocess_config.fingerprint(),
             "host_id": self.host_id,
             "socket": self.settings.socket_path,
+            "hash": self.settings.hash_algorithm,
         }
 
     def _encode(self, conn: _Conn, header: dict, payload: bytes) -> None:
         rid = int(header.get("id", 0))
-        key = wire.key_from_json(header.get("key"))
+        key = wire.key_from_json(header.get("key"), self.settings.hash_algorithm)
         if (
             key.model_fingerprint != self.fingerprint
             or key.preprocess_fingerprint != self.preprocess_config.fingerprint()

@@ -22,6 +22,7 @@ import struct
 from collections import deque
 
 from cache import EmbeddingKey
+from preprocess.hashing import is_image_hash
 
 MAGIC = b"VLEF"
 _PREFIX = struct.Struct("<4sIQ")
@@ -109,16 +110,22 @@ def key_to_json(key: EmbeddingKey) -> dict:
         "preprocess": key.preprocess_fingerprint,
         "model": key.model_fingerprint,
         "levels": key.levels,  # part of the key's identity (and of the entry's layout): Qwen3-VL's deepstack
+        "hash": key.hash_algorithm,
+        "salt": key.cache_salt,
     }
 
 
-def key_from_json(obj: object) -> EmbeddingKey:
+def key_from_json(obj: object, hash_algorithm: str) -> EmbeddingKey:
+    """A key received from a peer, which must be hashed with ``hash_algorithm`` (the receiver's own)."""
     if not isinstance(obj, dict):
         raise ProtocolError("key is not an object")
+    if obj.get("hash") != hash_algorithm or not is_image_hash(obj.get("image_hash"), hash_algorithm):
+        raise ProtocolError(f"bad key: its image hash is not a {hash_algorithm} digest")
     try:
         grid = tuple(int(g) for g in obj["grid"])
         levels = int(obj.get("levels", 0))
-        return EmbeddingKey(str(obj["image_hash"]), grid, str(obj["preprocess"]), str(obj["model"]), levels)
+        pre, model, salt = str(obj["preprocess"]), str(obj["model"]), str(obj.get("salt", ""))
+        return EmbeddingKey(obj["image_hash"], grid, pre, model, levels, hash_algorithm, salt)
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad key: {exc}") from None
 

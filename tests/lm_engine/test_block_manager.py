@@ -9,12 +9,16 @@ from lm_engine import prefix_cache
 from lm_engine.block_manager import BlockManager
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.sequence import ImageItem, Sequence
+from preprocess.hashing import image_hash
+from tests.xxh3_collision import colliding_bmps
 
 BS = 4
 
 
-def seq_of(tokens: list[int], images: list[ImageItem] | None = None) -> Sequence:
-    return Sequence("r", list(tokens), len(tokens), SamplingParams(), images=images or [])
+def seq_of(tokens: list[int], images: list[ImageItem] | None = None, cache_salt: str = "") -> Sequence:
+    return Sequence(
+        "r", list(tokens), len(tokens), SamplingParams(), images=images or [], cache_salt=cache_salt
+    )
 
 
 def compute_all(bm: BlockManager, seq: Sequence) -> None:
@@ -57,8 +61,8 @@ def test_freed_blocks_are_evicted_lru_and_lazily():
 
 def test_hash_collision_is_rejected_by_exact_comparison(monkeypatch):
     bm = BlockManager(16, BS)
-    monkeypatch.setattr(prefix_cache, "hash_block", lambda key: 42)  # every block collides
-    monkeypatch.setattr("lm_engine.block_manager.hash_block", lambda key: 42)
+    monkeypatch.setattr(prefix_cache, "hash_block", lambda key, algorithm=None: b"42")  # every block collides
+    monkeypatch.setattr("lm_engine.block_manager.hash_block", lambda key, algorithm=None: b"42")
     a = seq_of([1, 2, 3, 4, 5])
     bm.allocate(a)
     compute_all(bm, a)
@@ -77,6 +81,57 @@ def test_image_identity_separates_identical_placeholder_blocks():
     other = seq_of([5] + [pad] * 6 + [6, 7], [img("image-b")])
     assert bm.cached_prefix_tokens(same) == 8
     assert bm.cached_prefix_tokens(other) == 0
+
+
+@pytest.mark.parametrize("algorithm", ["blake3", "xxh3"])
+def test_images_colliding_under_xxh3_chain_apart_unless_xxh3_is_chosen(algorithm):
+    pad = 99
+    pictures = colliding_bmps(128, 176, seed=5)
+    assert pictures[0] != pictures[1]
+
+    def img(data: bytes) -> ImageItem:
+        key = EmbeddingKey(image_hash(data, algorithm), (1, 4, 6), "pre", "model", 0, algorithm)
+        return ImageItem(offset=1, length=6, key=key)
+
+    bm = BlockManager(16, BS, hash_algorithm=algorithm)
+    first = seq_of([5] + [pad] * 6 + [6, 7], [img(pictures[0])])
+    bm.allocate(first)
+    compute_all(bm, first)
+    second = seq_of([5] + [pad] * 6 + [6, 7], [img(pictures[1])])
+    chains = [[h for h, _ in prefix_cache.extend_chain(s, 2, BS, algorithm)] for s in (first, second)]
+    assert all(len(h) == (16 if algorithm == "xxh3" else 32) for h in chains[0])
+    if algorithm == "xxh3":  # the opt-in's risk: the second picture's blocks are the first one's
+        assert chains[0] == chains[1] and bm.cached_prefix_tokens(second) == 8
+    else:
+        assert chains[0][0] != chains[1][0] and chains[0][1] != chains[1][1]
+        assert bm.cached_prefix_tokens(second) == 0
+    bm.check_integrity([first])
+
+
+def test_cache_salt_enters_the_first_block_and_separates_prefixes():
+    bm = BlockManager(32, BS)
+    tokens = list(range(13))
+    a = seq_of(tokens, cache_salt="tenant-a")
+    bm.allocate(a)
+    compute_all(bm, a)
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-a")) == 12
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-b")) == 0
+    assert bm.cached_prefix_tokens(seq_of(tokens)) == 0  # unsalted: not a salted request's blocks
+    plain = seq_of(tokens)
+    bm.allocate(plain)
+    compute_all(bm, plain)
+    assert bm.cached_prefix_tokens(seq_of(tokens)) == 12
+    assert bm.cached_prefix_tokens(seq_of(tokens, cache_salt="tenant-b")) == 0
+    keys = [k for _, k in a.block_chain]
+    assert [k.salt for k in keys] == ["tenant-a", "", ""]  # later blocks carry it through their parents
+    other = prefix_cache.extend_chain(seq_of(tokens, cache_salt="tenant-b"), 3, BS)
+    assert all(h != g for (h, _), (g, _) in zip(a.block_chain, other))
+    bm.check_integrity([a, plain])
+
+
+def test_a_forked_choice_keeps_the_salt():
+    parent = seq_of([1, 2, 3, 4, 5], cache_salt="tenant-a")
+    assert parent.fork(1).cache_salt == "tenant-a"
 
 
 def test_fork_then_copy_on_write():

@@ -10,6 +10,7 @@ import pytest
 from api.cli import main
 from api.cluster import command
 from api.cluster.haproxy import BalancerConfig
+from api.cluster.launcher import Cluster, ClusterSpec
 from tests.support import REPO
 
 
@@ -66,3 +67,19 @@ def test_balancer_config_refuses_a_key_that_cannot_fit_the_window():
     )
     with pytest.raises(ValueError, match="bufsize"):
         cfg.render()
+
+
+@pytest.mark.parametrize("given", [["--hash-algorithm", "xxh3"], ["--hash-algorithm=xxh3"], []])
+def test_the_shared_encoder_pool_hashes_as_the_replicas_do(tmp_path, given):
+    """Replicas refuse a pool whose keys are of another algorithm; the launcher hands it theirs."""
+    serve_args = ["--max-num-seqs", "4", *given]
+    cluster = Cluster(
+        ClusterSpec(2, str(tmp_path), encoder_workers=1, serve_args=serve_args, run_dir=tmp_path)
+    )
+    assert cluster.encoder is not None
+    pool = cluster.encoder.cmd
+    if given:
+        assert pool[-len(given) :] == given
+    else:  # both keep their one default
+        assert not any(arg.startswith("--hash-algorithm") for arg in pool)
+    assert all(r.cmd[-len(serve_args) :] == serve_args for r in cluster.replicas)
