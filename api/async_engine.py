@@ -288,9 +288,13 @@ class AsyncEngine:
         try:
             # NOTE: admission control already ran on the event loop (the ticket); deciding again here would
             # make a refusal wait for the step in progress.
-            salt = {"cache_salt": cmd.cache_salt} if cmd.cache_salt else {}
             self.engine.add_request(
-                cmd.request_id, cmd.prompt, cmd.params, cmd.client_key, ticket=cmd.ticket, **salt
+                cmd.request_id,
+                cmd.prompt,
+                cmd.params,
+                cmd.client_key,
+                ticket=cmd.ticket,
+                cache_salt=cmd.cache_salt,
             )
         except InputError as exc:  # the client's error
             self._post(self._settle, cmd.stream, exc)

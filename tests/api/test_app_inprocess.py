@@ -431,3 +431,32 @@ def test_unread_outputs_merge_their_deltas():
         assert owner.aborted == ["u"]
 
     asyncio.run(main())
+
+
+def test_tenants_and_salts_share_no_cached_tokens(tiny_ckpt):
+    """cached_tokens must not tell a tenant what another sent: each API key's tenant, and each request
+    cache_salt, has prefix-cache entries of its own; within one tenant and salt the cache still hits."""
+    long_text = "Please read this long shared preamble about rivers and mountains. " * 6
+    body = {"messages": [{"role": "user", "content": long_text}], "max_tokens": 2, "temperature": 0}
+    keys = {"k-a": "alpha", "k-b": "beta"}
+
+    def cached(client, key: str, **extra) -> tuple[int, list]:
+        resp = client.post(
+            "/v1/chat/completions", json={**body, **extra}, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"], out["choices"][0]["message"]["content"]
+
+    with make_client(tiny_ckpt, api_keys=keys) as client:
+        first, text = cached(client, "k-a")
+        assert first == 0
+        assert cached(client, "k-a")[0] > 0  # the same tenant hits
+        assert cached(client, "k-b") == (0, text)  # another tenant does not, and gets the same answer
+        assert cached(client, "k-a", cache_salt="s1") == (0, text)  # nor another salt within a tenant
+        assert cached(client, "k-a", cache_salt="s1")[0] > 0
+        assert cached(client, "k-a", cache_salt="s2")[0] == 0
+    with make_client(tiny_ckpt, api_keys=keys, cache_salt_per_api_key=False) as client:
+        assert cached(client, "k-a")[0] == 0
+        assert cached(client, "k-b")[0] > 0  # the operator chose to share across keys
+        assert cached(client, "k-b", cache_salt="s1")[0] == 0  # a request's own salt still applies
