@@ -59,8 +59,8 @@ class APIError(Exception):
 
 def _loc(loc: tuple) -> str:
     # FastAPI prefixes the source ("body", "query"); the OpenAI param is the field path inside it.
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "header", "path") else list(loc)
-    return ".".join(parts)
+    parts = loc[1:] if loc and loc[0] in ("body", "query", "header", "path") else loc
+    return ".".join(str(p) for p in parts)
 
 
 def from_validation_error(exc: RequestValidationError | ValidationError) -> APIError:

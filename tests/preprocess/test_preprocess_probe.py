@@ -40,11 +40,13 @@ def test_probe_does_not_decode_pixels(make_image):
         Image.open(io.BytesIO(truncated)).load()
 
 
-def test_image_hash_is_xxh3_128_of_the_bytes(make_image):
-    assert image_hash(b"") == "99aa06d3014798d86001c324468d497f"  # published xxh3_128 of ""
+def test_image_hash_is_blake3_of_the_bytes(make_image):
+    # published BLAKE3 of ""
+    assert image_hash(b"") == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    assert image_hash(b"", "xxh3") == "99aa06d3014798d86001c324468d497f"  # published xxh3_128 of ""
     data = make_image("png", 64, 64)
-    assert image_hash(data) == xxhash.xxh3_128_hexdigest(data)
-    assert len(image_hash(data)) == 32
+    assert image_hash(data, "xxh3") == xxhash.xxh3_128_hexdigest(data)
+    assert len(image_hash(data)) == 64
     assert image_hash(data) != image_hash(make_image("png", 64, 64, seed=1))
     # Same pixels, different bytes (another encoding) is a different identity, by design.
     assert image_hash(make_image("bmp", 64, 64)) != image_hash(data)
