@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import torch
+
 from cache import EmbeddingCache, EmbeddingKey, codec
 from encoder.pipeline import Encoded, EncodeJob, EncoderStats, VisionPipeline
 from encoder.tier import wire
@@ -156,7 +158,7 @@ class RemoteVisionPipeline:
 
     # -- sending ----------------------------------------------------------------------------------------
     def _lookup(self, job: EncodeJob) -> None:
-        if self.cache is not None and (emb := self.cache.get(job.key)) is not None:
+        if self.cache is not None and (emb := self.cache.get(job.key, self.local.layout.problem)) is not None:
             self.local.stats.cache_hits += 1
             self._finish(job.key, Encoded(job.key, embedding=emb))
             return
@@ -259,27 +261,45 @@ class RemoteVisionPipeline:
         if "error" in header:
             self._remote_error(key, header)
             return
-        emb = self._embedding(key, header, payload, fd)
+        emb, lost = self._embedding(key, header, payload, fd)
         if emb is None:
-            self._fall_back([key], "lost")
+            self._fall_back([key], lost)
             return
         self.remote.observe(self.clock() - sent.sent_at, int(header.get("size", 0)))
         if self.cache is not None:
             self.cache.put(key, emb)
         self._finish(key, Encoded(key, embedding=emb))
 
-    def _embedding(self, key: EmbeddingKey, header: dict, payload: bytes, fd: int | None):
-        via = header.get("via")
+    def _embedding(
+        self, key: EmbeddingKey, header: dict, payload: bytes, fd: int | None
+    ) -> tuple[torch.Tensor | None, str]:
+        """The key's embedding as the pool shipped it, checked like any entry read back (a malformed one
+        would fail the engine step it joins); or None and why: "invalid" (malformed, or not this key's
+        layout) or "lost" (unreadable)."""
+        via, check = header.get("via"), self.local.layout.problem
         try:
-            if via == "shm" and fd is not None:
-                return codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
-            if via == "inline":
-                return codec.decode(key.digest(), payload, key.levels)
             if via == "redis" and self.cache is not None and self.cache.l2 is not None:
-                return self.cache.l2.get(key)
-        except (codec.CorruptEntry, OSError, KeyError, ValueError):
+                # NOTE: the tier checks it, and deletes and counts a bad one, like an entry found by lookup.
+                emb = self.cache.l2.get(key, check)
+                return emb, "invalid" if emb is None else ""
+            if via == "shm" and fd is not None:
+                emb = codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
+            elif via == "inline":
+                emb = codec.decode(key.digest(), payload, key.levels)
+            else:
+                return None, "lost"
+        except codec.CorruptEntry as exc:
+            log.warning("a malformed embedding from the encoder pool (%s); encoding it again", exc)
+            return None, "invalid"
+        except (OSError, KeyError, ValueError):
             log.warning("an embedding from the encoder pool was unreadable; encoding it here")
-        return None
+            return None, "lost"
+        if (why := check(key, emb)) is not None:
+            log.warning(
+                "an embedding from the encoder pool does not fit its key (%s); encoding it again", why
+            )
+            return None, "invalid"
+        return emb, ""
 
     def _remote_error(self, key: EmbeddingKey, header: dict) -> None:
         kind, message = header.get("kind"), str(header.get("error"))

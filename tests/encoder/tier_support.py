@@ -128,3 +128,51 @@ class RawEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class FakePool:
+    """A pool that answers every encode with ``entry(key)`` inline (on a Unix socket in ``tmp``): a pool
+    gone wrong, or something posing as one."""
+
+    def __init__(self, tmp: Path, preprocess_fp: str, model_fp: str, entry) -> None:
+        self.path = str(tmp / "fake.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.hello = {"op": "hello", "ship": "inline", "model": model_fp, "preprocess": preprocess_fp}
+        self.entry = entry
+        self.served = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        reader = wire.Reader(sock)
+        try:
+            while True:
+                header, _payload, _ = reader.read()
+                if header.get("op") == "hello":
+                    wire.send(sock, self.hello)
+                elif header.get("op") == "encode":
+                    data = self.entry(wire.key_from_json(header["key"]))
+                    wire.send(
+                        sock, {"op": "result", "id": header["id"], "size": len(data), "via": "inline"}, data
+                    )
+                    self.served += 1
+        except (EOFError, OSError, wire.ProtocolError):
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
