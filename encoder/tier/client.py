@@ -36,6 +36,11 @@ log = logging.getLogger("vlmserve.encoder.tier")
 SHIP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+class EncoderBatchFailed(RuntimeError):
+    """The pool's worker died or hung on the batch that held this image: encoding it here could do the same to
+    this engine, so the image fails (its request gets the error)."""
+
+
 class EncoderUnavailable(RuntimeError):
     """The encoder pool did not answer in time and this engine does not encode locally (a 503)."""
 
@@ -308,6 +313,8 @@ class RemoteVisionPipeline:
             self._finish(key, Encoded(key, error=PreprocessError(code, text)))
         elif kind == "preprocess_worker":
             self._finish(key, Encoded(key, error=PreprocessWorkerError(message)))
+        elif kind == "batch_failed":
+            self._finish(key, Encoded(key, error=EncoderBatchFailed(message)))
         elif kind == "ship":  # encoded, but it could not reach this engine (the pool's Redis is down)
             self._fall_back([key], "ship_failed")
         else:

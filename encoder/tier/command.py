@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max-batch-patches", type=int, default=16384)
     p.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=120.0,
+        help="a worker that has not finished a batch by then is killed and replaced; the batch's images fail "
+        "(a batch whose worker dies fails too: it is never run again on another worker)",
+    )
+    p.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
     )
     p.set_defaults(func=cmd_encoder)
@@ -86,6 +93,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_ttl_s=args.redis_ttl_s,
             redis_timeout_s=args.redis_timeout_s,
             max_batch_patches=args.max_batch_patches,
+            batch_timeout_s=args.batch_timeout_s,
         ),
         exit_with_parent=args.exit_with_parent,
     )

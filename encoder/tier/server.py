@@ -32,7 +32,7 @@ from cache import EmbeddingCache, EmbeddingKey, codec
 from cache.redis_tier import RedisTier
 from encoder.pipeline import Encoded, EncodeJob, VisionPipeline
 from encoder.tier import wire
-from encoder.tier.workers import WorkerPool
+from encoder.tier.workers import BatchTimeout, WorkerDied, WorkerPool
 from preprocess import PreprocessConfig, PreprocessPool
 
 log = logging.getLogger("vlmserve.encoder.tier")
@@ -65,6 +65,9 @@ class TierSettings:
     redis_max_queue: int = 64  # embeddings waiting for their Redis write; past it engines are told at once
     max_batch_patches: int = 16384
     max_wait_ms: float = 2.0
+    batch_timeout_s: float = (
+        120.0  # a worker that has not finished a batch by then is killed; its images fail
+    )
 
 
 @dataclass(slots=True)
@@ -110,7 +113,7 @@ class EncoderServer:
         model_config = load_model_config(path)
         dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
-        self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads)
+        self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads, s.batch_timeout_s)
         self.fingerprint = self.workers.fingerprint
         self.redis = (
             RedisTier(
@@ -139,6 +142,8 @@ class EncoderServer:
             max_wait_s=s.max_wait_ms / 1000,
             encoder_threads=s.workers,
             on_finish=self._wake.set,
+            row_width=self.workers.row_width,
+            dtype=dtype,
         )
         self.stats = TierStats()
         self._lock = threading.Lock()
@@ -377,7 +382,8 @@ class EncoderServer:
             "worker_pids": ws.pids,
             "busy_workers": sorted(ps.busy),
             "worker_deaths": ps.worker_deaths,
-            "redispatched_images": ps.redispatched_images,
+            "failed_batches": ps.failed_batches,
+            "timed_out_batches": ps.timed_out_batches,
         }
 
     def close(self) -> None:
@@ -403,6 +409,8 @@ def _error_kind(exc: BaseException) -> str:
         return "preprocess"
     if isinstance(exc, PreprocessWorkerError):
         return "preprocess_worker"
+    if isinstance(exc, (WorkerDied, BatchTimeout)):
+        return "batch_failed"  # the engine must not encode it itself: it may crash or hang it too
     return "encoder"
 
 

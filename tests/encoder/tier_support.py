@@ -36,6 +36,11 @@ class Pool:
     def release(self) -> None:
         (self.hooks / "hold").unlink(missing_ok=True)
 
+    def hold_only(self, pid: int) -> None:
+        """The worker ``pid`` holds its batch until the test ends; every other worker runs freely."""
+        (self.hooks / f"hold-{pid}").touch()  # NOTE: before the release, so that worker never runs free
+        self.release()
+
     def started_batches(self) -> list[tuple[int, int]]:
         """(worker pid, batch number) of every batch a worker has begun."""
         out = []
@@ -68,8 +73,13 @@ class Pool:
             time.sleep(0.02)
         return new[0]
 
-    def stop(self) -> None:
+    def stop_holding(self) -> None:
         self.release()
+        for held in self.hooks.glob("hold-*"):
+            held.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        self.stop_holding()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)
