@@ -29,7 +29,7 @@ from cache import EmbeddingCache, EmbeddingKey, codec
 from encoder.pipeline import Encoded, EncodeJob, EncoderStats, VisionPipeline
 from encoder.tier import wire
 from encoder.tier.server import host_id
-from preprocess import PreprocessError, PreprocessWorkerError
+from preprocess import PreprocessError, PreprocessWorkerError, image_hash
 
 log = logging.getLogger("vlmserve.encoder.tier")
 
@@ -238,6 +238,8 @@ class RemoteVisionPipeline:
         """The pool must compute what this engine would: the same weights, the same preprocessing."""
         if hello.get("preprocess") != self.local.config.fingerprint():
             raise ConnectionRefusedError("the encoder pool preprocesses differently from this engine")
+        if hello.get("image_hash_of_empty") != image_hash(b""):
+            raise ConnectionRefusedError("the encoder pool hashes images differently from this engine")
         if self.model_fingerprint and hello.get("model") != self.model_fingerprint:
             raise ConnectionRefusedError(
                 "the encoder pool runs other vision weights (or dtype) than this engine"

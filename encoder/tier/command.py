@@ -54,6 +54,18 @@ def add_parser(sub) -> None:
         "(a batch whose worker dies fails too: it is never run again on another worker)",
     )
     p.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        help="engine connections served at once; one more is told so and closed",
+    )
+    p.add_argument(
+        "--send-timeout-s",
+        type=float,
+        default=10.0,
+        help="an engine that takes no frame for this long is dropped (it never holds up the others)",
+    )
+    p.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
     )
     p.set_defaults(func=cmd_encoder)
@@ -94,6 +106,8 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_timeout_s=args.redis_timeout_s,
             max_batch_patches=args.max_batch_patches,
             batch_timeout_s=args.batch_timeout_s,
+            max_connections=args.max_connections,
+            send_timeout_s=args.send_timeout_s,
         ),
         exit_with_parent=args.exit_with_parent,
     )

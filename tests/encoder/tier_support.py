@@ -50,10 +50,15 @@ class Pool:
         return sorted(out)
 
     def stats(self) -> dict:
-        with RawEngine(self.socket_path) as eng:
-            wire.send(eng.sock, {"op": "stats"})
-            header, _, _ = eng.reader.read()
-            return header
+        deadline = time.monotonic() + 60
+        while True:
+            with RawEngine(self.socket_path) as eng:
+                if eng.hello.get("kind") != "busy":  # all connections taken: one closes soon (a test's)
+                    wire.send(eng.sock, {"op": "stats"})
+                    header, _, _ = eng.reader.read()
+                    return header
+            assert time.monotonic() < deadline, "the pool never had a connection free for its stats"
+            time.sleep(0.05)
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> dict:
         """Poll the pool's stats until ``predicate`` holds (a bound against hanging, not a pace)."""
@@ -104,11 +109,21 @@ def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
 
 
 class RawEngine:
-    """An engine reduced to the protocol: hello, encode requests, results (shared memory by default)."""
+    """An engine reduced to the protocol: hello, encode requests, results (shared memory by default).
 
-    def __init__(self, socket_path: str, ship: str = "shm") -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(socket_path)
+    ``address``: a Unix socket path, or ``tcp://host:port``. ``hello`` is the pool's answer to the hello (an
+    ``"op": "error"`` frame when it refused the connection)."""
+
+    def __init__(self, address: str, ship: str = "shm", rcvbuf: int | None = None) -> None:
+        if address.startswith("tcp://"):
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            if rcvbuf is not None:  # NOTE: before connecting, so the window it advertises is small from the start
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.connect((host, int(port)))
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(address)
         self.reader = wire.Reader(self.sock)
         wire.send(self.sock, {"op": "hello", "ship": ship})
         self.hello, _, _ = self.reader.read()
@@ -149,7 +164,13 @@ class FakePool:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         self.listener.listen(8)
-        self.hello = {"op": "hello", "ship": "inline", "model": model_fp, "preprocess": preprocess_fp}
+        self.hello = {
+            "op": "hello",
+            "ship": "inline",
+            "model": model_fp,
+            "preprocess": preprocess_fp,
+            "image_hash_of_empty": image_hash(b""),
+        }
         self.entry = entry
         self.served = 0
         threading.Thread(target=self._accept, daemon=True).start()

@@ -1,0 +1,181 @@
+"""The encoder pool's trust boundary: whoever connects to ``vlmserve encoder`` is an engine until it proves
+otherwise, and nothing one connection sends can hurt another.
+
+- a key is checked against its bytes: a frame whose image hash does not match its payload (a forged key) is
+  refused and nothing is cached under it;
+- ``max_pixels`` is clamped to the pool's own maximum; a frame past the preprocessing byte limit is refused
+  from its prefix, before its payload is read; connections past ``--max-connections`` are told and closed;
+- an engine that never reads holds up no other engine's deliveries (each connection writes on its own
+  thread, within a send timeout) and is dropped.
+
+The pool's pace is set by its test hook (held batches), never by a deadline; timeouts here only bound a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from encoder.tier import wire
+from lm_engine import LLM
+from preprocess import preprocess
+from tests.encoder.test_tier_pool import encode_here
+from tests.encoder.tier_support import RawEngine, start_pool
+from tests.support import make_image
+
+pytestmark = pytest.mark.timeout(1200)  # NOTE: a pool process starts here; minutes on a crowded machine
+
+MAX_CONNECTIONS = 4
+SEND_TIMEOUT_S = 3
+HANG_GUARD_S = 60.0  # a bound against hanging, not a pace
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory, tiny_ckpt):
+    p = start_pool(
+        tmp_path_factory.mktemp("pool"),
+        tiny_ckpt,
+        *("--workers", "1", "--max-connections", str(MAX_CONNECTIONS)),
+        *("--send-timeout-s", str(SEND_TIMEOUT_S)),
+    )
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def inproc(tiny_ckpt):
+    with LLM(str(tiny_ckpt), num_kv_blocks=32, embedding_cache_bytes=0) as llm:
+        yield llm
+
+
+def served(pool, **kw) -> RawEngine:
+    """A connection the pool serves (retried while the pool still counts connections just closed)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while True:
+        eng = RawEngine(pool.socket_path, **kw)
+        if eng.hello.get("op") == "hello":
+            eng.sock.settimeout(HANG_GUARD_S)
+            return eng
+        eng.close()
+        assert time.monotonic() < deadline, f"the pool kept refusing: {eng.hello}"
+        time.sleep(0.05)
+
+
+def test_a_forged_key_is_refused_and_nothing_is_cached_under_it(pool, inproc):
+    cfg = inproc.engine.preprocess_config
+    victim, attacker = make_image(320, 240, 401, "JPEG"), make_image(320, 240, 402, "JPEG")
+    before = pool.stats()
+    with served(pool) as eng:
+        key = eng.key(victim, cfg)
+        assert key.grid == eng.key(attacker, cfg).grid  # the forged frame is consistent but for the hash
+        eng.encode(1, key, attacker)  # the victim's key, the attacker's picture
+        rid, emb, header = eng.result({1: key})
+        assert rid == 1 and emb is None and header["kind"] == "key", header
+        eng.encode(2, key, victim)  # the victim's own request: encoded now, not served from a poisoned cache
+        rid, emb, header = eng.result({2: key})
+    assert rid == 2 and "error" not in header, header
+    torch.testing.assert_close(emb, encode_here(inproc, victim), rtol=1e-5, atol=1e-5)
+    after = pool.stats()
+    assert after["refused_keys"] - before["refused_keys"] == 1
+    assert after["images_encoded"] - before["images_encoded"] == 1
+    assert after["cache_hits"] == before["cache_hits"]
+
+
+def test_max_pixels_above_the_pools_maximum_is_clamped(pool, inproc):
+    cfg = inproc.engine.preprocess_config
+    data = make_image(1200, 900, 403, "JPEG")  # above the checkpoint's max_pixels
+    assert cfg.max_pixels < 1200 * 900
+    before = pool.stats()
+    with served(pool) as eng:
+        key = eng.key(data, cfg)  # the grid at the pool's maximum
+        assert tuple(preprocess(data, cfg, 16 * cfg.max_pixels).grid_thw) != key.grid
+        wire.send(
+            eng.sock,
+            {"op": "encode", "id": 1, "key": wire.key_to_json(key), "max_pixels": 16 * cfg.max_pixels},
+            data,
+        )
+        rid, emb, header = eng.result({1: key})
+    assert rid == 1 and "error" not in header, header
+    t, h, w = key.grid
+    assert emb.shape[0] == t * h * w // cfg.merge_size**2
+    torch.testing.assert_close(emb, encode_here(inproc, data), rtol=1e-5, atol=1e-5)
+    assert pool.stats()["clamped"] - before["clamped"] == 1
+
+
+@pytest.mark.parametrize("declared", ["1 GiB", "limit + 1"])
+def test_an_oversize_frame_is_refused_from_its_prefix(declared, pool, inproc):
+    size = 1 << 30 if declared == "1 GiB" else inproc.engine.preprocess_config.max_bytes + 1
+    with served(pool) as eng:
+        head = b'{"op":"encode","id":1}'
+        eng.sock.sendall(struct.pack("<4sIQ", wire.MAGIC, len(head), size) + head)  # and not one payload byte
+        header, _, _ = eng.reader.read()  # the refusal, with nothing more sent: no wait for the payload
+        assert header["op"] == "error" and header["kind"] == "protocol", header
+        with pytest.raises(EOFError):
+            eng.reader.read()
+
+
+def test_connections_past_the_limit_are_told_and_closed(pool):
+    pool.wait_for(lambda s: s["connections"] == 1, what="only the stats connection open")
+    before = pool.stats()
+    engines = [served(pool) for _ in range(MAX_CONNECTIONS)]
+    try:
+        extra = RawEngine(pool.socket_path)
+        with extra:
+            assert extra.hello["op"] == "error" and extra.hello["kind"] == "busy", extra.hello
+            assert f"at most {MAX_CONNECTIONS}" in extra.hello["error"]
+            extra.sock.settimeout(HANG_GUARD_S)
+            with pytest.raises(EOFError):
+                extra.reader.read()
+        engines.pop().close()
+        with served(pool) as again:  # a slot freed is a slot served: nothing leaked
+            wire.send(again.sock, {"op": "stats"})
+            stats, _, _ = again.reader.read()
+    finally:
+        for eng in engines:
+            eng.close()
+    assert stats["connections"] == MAX_CONNECTIONS
+    assert stats["refused_connections"] - before["refused_connections"] >= 1
+    pool.wait_for(lambda s: s["connections"] == 1, what="every connection closed")
+
+
+def test_an_engine_that_never_reads_does_not_hold_up_another(pool, inproc):
+    """Engine A asks for an image and then stops reading (a small receive buffer it never drains, and a flood
+    of requests whose answers pile up); engine B waits for the same image. B gets it while A is still stalled,
+    and A is dropped after the send timeout."""
+    cfg = inproc.engine.preprocess_config
+    data = make_image(256, 192, 404, "JPEG")
+    before = pool.stats()
+    pool.hold()
+    stalled = RawEngine(pool.tcp_url, ship="inline", rcvbuf=4096)
+    try:
+        key = stalled.key(data, cfg)
+        stalled.encode(1, key, data)
+        pool.wait_for(lambda s: s["waiting"] - before["waiting"] == 1, what="A's wait")
+        # Answers A will never take: twice what the kernel can buffer between us (the pool's send buffer at
+        # its largest, A's receive buffer), so whoever writes them to A must wait on A.
+        reply = len(json.dumps(pool.stats()))
+        wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+        stalled.sock.settimeout(2.0)
+        for _ in range(2 * (wmem_max + 65536) // reply + 1):
+            try:
+                wire.send(stalled.sock, {"op": "stats", "pad": "x" * 1024})
+            except OSError:  # the pool stopped reading A (or dropped it): A is stalled either way
+                break
+        with served(pool) as other:
+            other.encode(7, key, data)
+            pool.wait_for(
+                lambda s: s["waiting"] - before["waiting"] in (1, 2) and s["joined"] > before["joined"]
+            )
+            pool.release()
+            rid, emb, header = other.result({7: key})  # raises on the guard's timeout if held up
+        assert rid == 7 and header["via"] == "shm", header
+        torch.testing.assert_close(emb, encode_here(inproc, data), rtol=1e-5, atol=1e-5)
+        pool.wait_for(lambda s: s["slow_drops"] - before["slow_drops"] == 1, what="A dropped")
+    finally:
+        pool.release()
+        stalled.close()
