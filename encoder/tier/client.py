@@ -27,7 +27,7 @@ import torch
 
 from cache import EmbeddingCache, EmbeddingKey, codec
 from encoder.pipeline import Encoded, EncodeJob, EncoderStats, VisionPipeline
-from encoder.tier import wire
+from encoder.tier import auth, wire
 from encoder.tier.server import host_id
 from preprocess import PreprocessError, PreprocessWorkerError, image_hash
 
@@ -89,6 +89,7 @@ class RemoteVisionPipeline:
         reconnect_s: float = 1.0,
         owned: subprocess.Popen | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth_token: bytes | None = None,
     ) -> None:
         if fallback not in ("local", "fail"):
             raise ValueError(f"encoder fallback must be 'local' or 'fail', got {fallback!r}")
@@ -96,6 +97,7 @@ class RemoteVisionPipeline:
         self.timeout_s, self.fallback, self.reconnect_s = timeout_s, fallback, reconnect_s
         self.owned, self.clock = owned, clock
         self.model_fingerprint = model_fingerprint
+        self._token = auth_token
         self.remote = RemoteStats()
         self._cond = threading.Condition()
         self._sent: dict[EmbeddingKey, _Sent] = {}
@@ -224,15 +226,41 @@ class RemoteVisionPipeline:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             want = ship or ("redis" if self.cache is not None and self.cache.l2 is not None else "inline")
-            wire.send(sock, {"op": "hello", "ship": want})
             reader = wire.Reader(sock)
-            hello, _, _ = reader.read()
+            hello = self._handshake(sock, reader, want)
+            self._check_hello(hello)
         except (OSError, EOFError, wire.ProtocolError) as exc:
             sock.close()
+            if isinstance(exc, ConnectionRefusedError):
+                log.warning("refusing the encoder pool at %s: %s", url, exc)
+                raise
             raise ConnectionError(f"encoder pool handshake failed: {exc}") from None
         sock.settimeout(None)
-        self._check_hello(hello)
         return sock, reader, hello
+
+    def _handshake(self, sock: socket.socket, reader: wire.Reader, ship: str) -> dict:
+        """The pool's hello, after each side proved it holds the secret when this engine has one
+        (``encoder.tier.auth``); ConnectionRefusedError when the pool refuses or cannot prove it."""
+        mine = auth.new_nonce()
+        wire.send(sock, {"op": "hello", "ship": ship, "nonce": mine})
+        reply, _, _ = reader.read()
+        if reply.get("op") == "challenge":
+            if self._token is None:
+                raise ConnectionRefusedError(
+                    "the encoder pool wants a secret: give --encoder-auth-token-file"
+                )
+            theirs = str(reply.get("nonce", ""))
+            if not auth.verify(self._token, "pool", mine, theirs, reply.get("proof")):
+                raise ConnectionRefusedError("the encoder pool did not prove it holds the secret")
+            wire.send(sock, {"op": "auth", "proof": auth.proof(self._token, "engine", mine, theirs)})
+            reply, _, _ = reader.read()
+        elif reply.get("op") == "hello" and self._token is not None:
+            raise ConnectionRefusedError(
+                "the encoder pool does not authenticate (no --auth-token-file), and this engine has a secret"
+            )
+        if reply.get("op") != "hello":
+            raise ConnectionRefusedError(f"the encoder pool refused this engine: {reply.get('error', reply)}")
+        return reply
 
     def _check_hello(self, hello: dict) -> None:
         """The pool must compute what this engine would: the same weights, the same preprocessing."""
@@ -385,14 +413,18 @@ def start_local_pool(
     startup_s: float = 600,
     threads: int = 0,
     nice: int = 0,
+    auth_token_file: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL.
+    """``vlmserve encoder`` as a child of this server, on a Unix socket in a directory only this user may
+    enter (mkdtemp's 0700); returns it and its URL.
 
-    ``nice``: the pool's lower CPU priority, so this server's decode loop preempts its encoding."""
+    ``nice``: the pool's lower CPU priority, so this server's decode loop preempts its encoding.
+    ``auth_token_file``: the server's own secret, which it then expects this pool to prove too."""
     path = os.path.join(tempfile.mkdtemp(prefix="vlmserve-encoder-"), "encoder.sock")
     cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", model, "--workers", str(workers)]
     cmd += ["--socket", path, "--dtype", dtype, "--device", device, "--exit-with-parent"]
     cmd += ["--threads", str(threads), "--nice", str(nice)]
+    cmd += ["--auth-token-file", auth_token_file] if auth_token_file else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + startup_s
     for line in proc.stdout:  # the ready line, or the end of its output if it failed
@@ -411,6 +443,8 @@ def connect(
     """The engine's pipeline for ``config.encoder_url``, or for a pool of ``config.encoder_workers`` started
     here (lm_engine.config.EngineConfig); ``local`` stays the fallback."""
     owned, url = None, config.encoder_url
+    token_file = config.encoder_auth_token_file
+    token = auth.read_token(token_file) if token_file else None  # NOTE: a bad file stops start-up
     if config.encoder_workers:
         owned, url = start_local_pool(
             config.model,
@@ -419,6 +453,7 @@ def connect(
             config.device,
             threads=config.encoder_threads,
             nice=config.encoder_nice,
+            auth_token_file=token_file,
         )
     return RemoteVisionPipeline(
         url,
@@ -428,4 +463,5 @@ def connect(
         fallback=config.encoder_fallback,
         model_fingerprint=model_fingerprint,
         owned=owned,
+        auth_token=token,
     )

@@ -31,7 +31,7 @@ from pathlib import Path
 from cache import EmbeddingCache, EmbeddingKey, codec
 from cache.redis_tier import RedisTier
 from encoder.pipeline import Encoded, EncodeJob, VisionPipeline
-from encoder.tier import wire
+from encoder.tier import auth, wire
 from encoder.tier.workers import BatchTimeout, WorkerDied, WorkerPool
 from preprocess import PreprocessConfig, PreprocessPool, image_hash
 
@@ -70,6 +70,7 @@ class TierSettings:
     send_timeout_s: float = 10.0  # a frame an engine has not taken by then: the engine is dropped
     max_queued_bytes: int = 256 << 20  # frames waiting for one engine past which it is dropped
     handshake_timeout_s: float = 10.0  # from connect to a finished hello
+    auth_token: bytes | None = field(default=None, repr=False)  # the secret engines must prove they hold
 
 
 @dataclass(slots=True)
@@ -84,6 +85,7 @@ class TierStats:
     ship_failures: int = 0  # waits answered "could not ship" (Redis down, its queue full)
     connections: int = 0  # open now
     refused_connections: int = 0  # past max_connections
+    auth_failures: int = 0  # connections that did not prove they hold the secret
     refused_keys: int = 0  # encode requests whose key does not match their bytes, or this pool's model
     clamped: int = 0  # encode requests whose max_pixels was above the pool's maximum
     slow_drops: int = 0  # engines dropped because they did not take their frames (send timeout, queue bound)
@@ -255,6 +257,7 @@ class EncoderServer:
     def start(self) -> None:
         s = self.settings
         if s.port is not None:
+            auth.check_exposure(s.host, s.auth_token)
             tcp = socket.create_server((s.host, s.port), reuse_port=False)
             self.address = tcp.getsockname()[:2]
             self._listen(tcp, unix=False)
@@ -350,13 +353,35 @@ class EncoderServer:
                 wire.send(conn.sock, frame)
 
     def _handshake(self, conn: _Conn, reader: wire.Reader) -> None:
+        """The hello, and with a secret configured, the engine's proof that it holds it (``auth``); raises
+        ProtocolError (the connection is told and closed) on anything else."""
+        hello = self._read_first(reader, "hello")
+        token = self.settings.auth_token
+        if token is not None:
+            engine_nonce, pool_nonce = hello.get("nonce"), auth.new_nonce()
+            if not isinstance(engine_nonce, str) or not 32 <= len(engine_nonce) <= 128:
+                engine_nonce = ""  # NOTE: an engine without a secret sends none; it fails below all the same
+            mine = auth.proof(token, "pool", engine_nonce, pool_nonce)
+            wire.send(conn.sock, {"op": "challenge", "nonce": pool_nonce, "proof": mine})
+            answer = self._read_first(reader, "auth")
+            if not auth.verify(token, "engine", engine_nonce, pool_nonce, answer.get("proof")):
+                with self._lock:
+                    self.stats.auth_failures += 1
+                log.warning("refused an engine connection that did not prove it holds the secret")
+                error = "authentication failed: this encoder pool needs its --auth-token-file secret"
+                wire.send(conn.sock, {"op": "error", "kind": "auth", "error": error})
+                raise EOFError  # told already; the connection closes without another word
+        conn.ship = self._ship_way(conn, hello.get("ship"))
+        wire.send(conn.sock, self._hello(conn))
+
+    @staticmethod
+    def _read_first(reader: wire.Reader, op: str) -> dict:
         header, _, fd = reader.read()
         if fd is not None:
             os.close(fd)
-        if header.get("op") != "hello":
-            raise wire.ProtocolError("the first frame must be a hello")
-        conn.ship = self._ship_way(conn, header.get("ship"))
-        wire.send(conn.sock, self._hello(conn))
+        if header.get("op") != op:
+            raise wire.ProtocolError(f"expected {op!r}, got {header.get('op')!r}")
+        return header
 
     # -- requests ---------------------------------------------------------------------------------------
     def _handle(self, conn: _Conn, header: dict, payload: bytes) -> None:
@@ -535,6 +560,7 @@ class EncoderServer:
                 "ship_failures": self.stats.ship_failures,
                 "connections": self.stats.connections,
                 "refused_connections": self.stats.refused_connections,
+                "auth_failures": self.stats.auth_failures,
                 "refused_keys": self.stats.refused_keys,
                 "clamped": self.stats.clamped,
                 "slow_drops": self.stats.slow_drops,

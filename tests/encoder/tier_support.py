@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingKey, codec
-from encoder.tier import wire
+from encoder.tier import auth, wire
 from encoder.tier.workers import HOOK_ENV
 from preprocess import PreprocessConfig, preprocess
 from preprocess.hashing import image_hash
@@ -28,6 +28,7 @@ class Pool:
     tcp_url: str
     socket_path: str
     hooks: Path
+    token: bytes | None = None  # the pool's --auth-token-file secret
 
     def hold(self) -> None:
         """Workers stop at the start of their next batch until ``release``."""
@@ -52,7 +53,7 @@ class Pool:
     def stats(self) -> dict:
         deadline = time.monotonic() + 60
         while True:
-            with RawEngine(self.socket_path) as eng:
+            with RawEngine(self.socket_path, token=self.token) as eng:
                 if eng.hello.get("kind") != "busy":  # all connections taken: one closes soon (a test's)
                     wire.send(eng.sock, {"op": "stats"})
                     header, _, _ = eng.reader.read()
@@ -92,12 +93,21 @@ class Pool:
             self.proc.kill()
 
 
-def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
+def start_pool(
+    tmp: Path, ckpt: Path, *extra: str, socket_path: bool = True, token: bytes | None = None, env=None
+) -> Pool:
+    """``socket_path``: give the pool ``--socket`` in ``tmp`` (else its default); ``token``: its secret, in a
+    file of mode 600 (``--auth-token-file``); ``env``: more environment for it."""
     hooks = tmp / "hooks"
     hooks.mkdir(exist_ok=True)
-    sock = str(tmp / "encoder.sock")
-    env = {**os.environ, HOOK_ENV: str(hooks), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", str(ckpt), "--port", "0", "--socket", sock]
+    env = {**os.environ, HOOK_ENV: str(hooks), "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", str(ckpt), "--port", "0"]
+    if socket_path:
+        cmd += ["--socket", str(tmp / "encoder.sock")]
+    if token is not None:
+        (token_file := tmp / "token").write_bytes(token)
+        token_file.chmod(0o600)
+        cmd += ["--auth-token-file", str(token_file)]
     proc = subprocess.Popen([*cmd, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("vlmserve encoder ready"):
@@ -105,7 +115,8 @@ def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
         raise RuntimeError(f"encoder pool did not start: {line!r} (exit {proc.wait()})")
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     tcp = next(w for w in line.split() if w.startswith("tcp://"))
-    return Pool(proc, tcp, sock, hooks)
+    unix = next(w for w in line.split() if w.startswith("unix://")).removeprefix("unix://")
+    return Pool(proc, tcp, unix, hooks, token)
 
 
 class RawEngine:
@@ -114,19 +125,29 @@ class RawEngine:
     ``address``: a Unix socket path, or ``tcp://host:port``. ``hello`` is the pool's answer to the hello (an
     ``"op": "error"`` frame when it refused the connection)."""
 
-    def __init__(self, address: str, ship: str = "shm", rcvbuf: int | None = None) -> None:
+    def __init__(
+        self, address: str, ship: str = "shm", rcvbuf: int | None = None, token: bytes | None = None
+    ) -> None:
         if address.startswith("tcp://"):
             host, port = address.removeprefix("tcp://").rsplit(":", 1)
             self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            if rcvbuf is not None:  # NOTE: before connecting, so the window it advertises is small from the start
+            if (
+                rcvbuf is not None
+            ):  # NOTE: before connecting, so the window it advertises is small from the start
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
             self.sock.connect((host, int(port)))
         else:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(address)
         self.reader = wire.Reader(self.sock)
-        wire.send(self.sock, {"op": "hello", "ship": ship})
+        nonce = auth.new_nonce()
+        wire.send(self.sock, {"op": "hello", "ship": ship, "nonce": nonce})
         self.hello, _, _ = self.reader.read()
+        if self.hello.get("op") == "challenge" and token is not None:  # prove the secret (encoder.tier.auth)
+            wire.send(
+                self.sock, {"op": "auth", "proof": auth.proof(token, "engine", nonce, self.hello["nonce"])}
+            )
+            self.hello, _, _ = self.reader.read()
 
     def key(self, data: bytes, config: PreprocessConfig) -> EmbeddingKey:
         grid = tuple(preprocess(data, config).grid_thw)
