@@ -338,3 +338,29 @@ def test_a_socket_directory_open_to_others_or_not_ours_is_refused(tmp_path, tiny
         "--model", str(tiny_ckpt), "--port", "0", env={"XDG_RUNTIME_DIR": str(tmp_path / "run")}
     )
     assert done.returncode == 2 and "open to other users" in done.stderr, done.stderr
+
+
+def test_nothing_from_a_socket_or_redis_is_unpickled():
+    """Frames are JSON and raw bytes, stored embeddings ``cache.codec`` entries, and worker pipes carry bytes
+    (``send_bytes``/``recv_bytes``): no module on those paths may reach for an unpickler. A guard on the
+    code, since a pickle that slipped in would run whatever a peer sent."""
+    import ast
+
+    modules = sorted((REPO / "encoder" / "tier").glob("*.py")) + sorted((REPO / "cache").glob("*.py"))
+    found = []
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+                found += [
+                    f"{path.name}: import {n}"
+                    for n in names
+                    if n.split(".")[0] in ("pickle", "marshal", "dill")
+                ]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                call = ast.unparse(node.func)
+                if call in ("torch.load", "np.load", "numpy.load") or (
+                    node.func.attr == "recv" and not node.args
+                ):
+                    found.append(f"{path.name}:{node.lineno}: {call}()")  # Connection.recv() unpickles
+    assert found == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingKey, codec
-from encoder.tier import auth, wire
+from encoder.tier import wire
 from encoder.tier.workers import HOOK_ENV
 from preprocess import PreprocessConfig, preprocess
 from preprocess.hashing import image_hash
@@ -140,10 +141,12 @@ class RawEngine:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(address)
         self.reader = wire.Reader(self.sock)
-        nonce = auth.new_nonce()
+        nonce = secrets.token_hex(32)
         wire.send(self.sock, {"op": "hello", "ship": ship, "nonce": nonce})
         self.hello, _, _ = self.reader.read()
-        if self.hello.get("op") == "challenge" and token is not None:  # prove the secret (encoder.tier.auth)
+        if self.hello.get("op") == "challenge" and token is not None:  # prove the secret
+            from encoder.tier import auth
+
             wire.send(
                 self.sock, {"op": "auth", "proof": auth.proof(token, "engine", nonce, self.hello["nonce"])}
             )
