@@ -310,13 +310,13 @@ class RemoteVisionPipeline:
     ) -> tuple[torch.Tensor | None, str]:
         """The key's embedding as the pool shipped it, checked like any entry read back (a malformed one
         would fail the engine step it joins); or None and why: "invalid" (malformed, or not this key's
-        layout) or "lost" (unreadable)."""
+        layout) or "lost" (unreadable, or gone from Redis: a bad entry there is counted by the Redis tier)."""
         via, check = header.get("via"), self.local.layout.problem
         try:
             if via == "redis" and self.cache is not None and self.cache.l2 is not None:
                 # NOTE: the tier checks it, and deletes and counts a bad one, like an entry found by lookup.
                 emb = self.cache.l2.get(key, check)
-                return emb, "invalid" if emb is None else ""
+                return emb, "lost" if emb is None else ""
             if via == "shm" and fd is not None:
                 emb = codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
             elif via == "inline":

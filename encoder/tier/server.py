@@ -15,6 +15,13 @@ Each waiting engine gets the embedding its own way:
 An engine that disconnects is forgotten at once: its waits are dropped, a key nobody else waits for is
 cancelled if the tower has not taken it yet (never encoded), and a result nobody waits for any more is not
 shipped anywhere, so nothing piles up for engines that are gone.
+
+A connection is not trusted for anything it says: with a secret (``auth``) it is an engine only once it
+proves it holds it; a key must match its bytes (the image hash is recomputed, the fingerprints and level
+count compared, the grid checked by preprocessing); ``max_pixels`` is clamped to the pool's own maximum;
+frames are read up to the preprocessing byte limit; connections up to ``max_connections``; and each
+connection's frames go out through a queue and a writer of its own, so an engine that stops reading is
+dropped without holding up anyone else.
 """
 
 from __future__ import annotations
@@ -318,7 +325,14 @@ class EncoderServer:
         try:
             try:
                 conn.sock.settimeout(self.settings.handshake_timeout_s)
-                self._handshake(conn, reader)
+                # NOTE: a bound on the whole hello, not per read: a peer dripping a byte at a time would
+                # otherwise hold one of the max_connections slots for as long as it likes.
+                deadline = threading.Timer(self.settings.handshake_timeout_s, conn.drop)
+                deadline.start()
+                try:
+                    self._handshake(conn, reader)
+                finally:
+                    deadline.cancel()
                 # NOTE: from here the timeout bounds each frame sent (a reader's wait just times out again).
                 conn.sock.settimeout(self.settings.send_timeout_s)
                 reader.max_payload = self.max_frame_payload

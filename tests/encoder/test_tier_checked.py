@@ -126,3 +126,32 @@ def test_a_malformed_entry_from_the_pool_is_encoded_again(kind, plain, expected,
     finally:
         fake.close()
     assert out == expected[kind]
+
+
+@pytest.mark.redis
+def test_a_malformed_entry_the_pool_says_is_in_redis_is_deleted_and_encoded_again(
+    plain, expected, tiny_ckpt, tmp_path, redis_db_url
+):
+    prefix = f"vlmserve-test-checked-{uuid.uuid4().hex}:"
+    r = redis_client(ENGINE_REDIS_URL)
+    fake = FakePool(
+        tmp_path,
+        plain.engine.preprocess_config.fingerprint(),
+        plain.engine.processor.model_fingerprint,
+        lambda key: malformed("rows", key, plain),
+        redis=r,
+        prefix=prefix,
+    )
+    kw = dict(redis_url=redis_db_url, redis_key_prefix=prefix, encoder_url=fake.url)
+    try:
+        with LLM(str(tiny_ckpt), num_kv_blocks=128, embedding_cache_bytes=0, **kw) as llm:
+            out = llm.chat([REQUESTS["rows"]], GREEDY)[0].token_ids
+            vision = llm.engine.vision
+            assert vision._ship == "redis" and fake.served == 1
+            assert vision.remote.fallbacks == {"lost": 1} and vision.stats.images == 1
+            assert llm.engine.embedding_cache.l2.flush()
+            assert llm.engine.embedding_cache.stats()["redis"]["invalid"] == 1
+    finally:
+        fake.close()
+        r.close()
+    assert out == expected["rows"]

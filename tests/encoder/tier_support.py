@@ -180,22 +180,25 @@ class RawEngine:
 
 
 class FakePool:
-    """A pool that answers every encode with ``entry(key)`` inline (on a Unix socket in ``tmp``): a pool
-    gone wrong, or something posing as one."""
+    """A pool that answers every encode with ``entry(key)`` (on a Unix socket in ``tmp``): a pool gone wrong,
+    or something posing as one. Inline, or with ``redis`` (a client): written there, and the engine told
+    to read it."""
 
-    def __init__(self, tmp: Path, preprocess_fp: str, model_fp: str, entry) -> None:
+    def __init__(
+        self, tmp: Path, preprocess_fp: str, model_fp: str, entry, redis=None, prefix: str = ""
+    ) -> None:
         self.path = str(tmp / "fake.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         self.listener.listen(8)
         self.hello = {
             "op": "hello",
-            "ship": "inline",
+            "ship": "inline" if redis is None else "redis",
             "model": model_fp,
             "preprocess": preprocess_fp,
             "image_hash_of_empty": image_hash(b""),
         }
-        self.entry = entry
+        self.entry, self.redis, self.prefix = entry, redis, prefix
         self.served = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -219,10 +222,14 @@ class FakePool:
                 if header.get("op") == "hello":
                     wire.send(sock, self.hello)
                 elif header.get("op") == "encode":
-                    data = self.entry(wire.key_from_json(header["key"]))
-                    wire.send(
-                        sock, {"op": "result", "id": header["id"], "size": len(data), "via": "inline"}, data
-                    )
+                    key = wire.key_from_json(header["key"])
+                    data = self.entry(key)
+                    reply = {"op": "result", "id": header["id"], "size": len(data), "via": "inline"}
+                    if self.redis is not None:
+                        self.redis.set(f"{self.prefix}emb:{key.digest()}", data)
+                        wire.send(sock, {**reply, "via": "redis"})
+                    else:
+                        wire.send(sock, reply, data)
                     self.served += 1
         except (EOFError, OSError, wire.ProtocolError):
             pass
