@@ -3,6 +3,7 @@
 from cache.breaker import BreakerState, CircuitBreaker
 from cache.embedding_cache import EmbeddingCache
 from cache.key import EmbeddingKey
+from cache.layout import EmbeddingLayout
 from cache.memory import MemoryTier
 from cache.redis_tier import RedisTier
 from cache.tier import EmbeddingTier
@@ -12,6 +13,7 @@ __all__ = [
     "CircuitBreaker",
     "EmbeddingCache",
     "EmbeddingKey",
+    "EmbeddingLayout",
     "EmbeddingTier",
     "MemoryTier",
     "RedisTier",

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from cache.key import EmbeddingKey
+from cache.layout import Check
 from cache.memory import MemoryTier
 from cache.redis_tier import RedisTier
 from cache.tier import EmbeddingTier
@@ -17,7 +18,8 @@ class EmbeddingCache:
     """get: L1, then L2 (an L2 hit is promoted into L1). put: both tiers.
 
     Thread-safe; never raises because Redis misbehaves (see EmbeddingTier). Returned tensors are
-    shared with the cache: read them, do not modify them in place.
+    shared with the cache: read them, do not modify them in place. A reader passes its ``check``
+    (``EmbeddingLayout.problem``): an entry that does not fit its key is a miss, dropped from its tier.
     """
 
     def __init__(self, l1: MemoryTier, l2: EmbeddingTier | None = None) -> None:
@@ -34,16 +36,16 @@ class EmbeddingCache:
         """L1-only existence check; counts nothing and does not refresh recency."""
         return self.l1.contains(key)
 
-    def get(self, key: EmbeddingKey) -> torch.Tensor | None:
-        return self.get_many([key])[0]
+    def get(self, key: EmbeddingKey, check: Check | None = None) -> torch.Tensor | None:
+        return self.get_many([key], check)[0]
 
-    def get_many(self, keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
-        found = [self.l1.get(k) for k in keys]
+    def get_many(self, keys: Sequence[EmbeddingKey], check: Check | None = None) -> list[torch.Tensor | None]:
+        found = [self.l1.get(k, check) for k in keys]
         missing = [i for i, t in enumerate(found) if t is None]
         if self.l2 is None or not missing:
             return found
         # One L2 round trip for all L1 misses of the batch.
-        for i, tensor in zip(missing, self.l2.get_many([keys[i] for i in missing]), strict=True):
+        for i, tensor in zip(missing, self.l2.get_many([keys[i] for i in missing], check), strict=True):
             if tensor is not None:
                 self.l1.put(keys[i], tensor)
                 found[i] = tensor

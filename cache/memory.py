@@ -9,6 +9,7 @@ from collections import OrderedDict
 import torch
 
 from cache.key import EmbeddingKey
+from cache.layout import Check
 from cache.tier import EmbeddingTier
 
 # A CPU tensor's C++ side, which sys.getsizeof cannot see: TensorImpl and StorageImpl, 336 bytes, and its data
@@ -83,10 +84,16 @@ class MemoryTier(EmbeddingTier):
         self.misses = 0
         self.evictions = 0
         self.rejected = 0  # puts costing more than the whole capacity
+        self.invalid = 0  # entries dropped on a get because they did not fit their key
 
-    def get(self, key: EmbeddingKey) -> torch.Tensor | None:
+    def get(self, key: EmbeddingKey, check: Check | None = None) -> torch.Tensor | None:
         with self._lock:
             tensor = self._entries.get(key)
+            if tensor is not None and check is not None and check(key, tensor) is not None:
+                del self._entries[key]
+                self._bytes -= entry_bytes(key, tensor)
+                self.invalid += 1
+                tensor = None
             if tensor is None:
                 self.misses += 1
                 return None
@@ -142,6 +149,7 @@ class MemoryTier(EmbeddingTier):
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "rejected": self.rejected,
+                "invalid": self.invalid,
                 "entries": len(self._entries),
                 "bytes": self._bytes + sys.getsizeof(self._entries),
                 "capacity_bytes": self.capacity_bytes,

@@ -23,6 +23,10 @@ _COUNTERS = {
     "rejected": ("rejected", "Puts larger than the whole tier capacity."),
     "errors": ("errors", "Backend calls that failed (connection, timeout, server error)."),
     "corrupt": ("corrupt", "Stored values rejected by the header check."),
+    "invalid": (
+        "invalid",
+        "Entries read back that were malformed or did not fit their key (dtype, shape, levels): misses, deleted.",
+    ),
     "short_circuited": ("short_circuited", "Calls skipped because the circuit breaker was open."),
     "puts": ("puts", "Values written to the backend."),
     "dropped_puts": ("dropped_puts", "Puts not written (breaker open, queue full, too large, failed)."),

@@ -21,6 +21,7 @@ from redis.retry import Retry
 from cache import codec
 from cache.breaker import BreakerState, CircuitBreaker
 from cache.key import EmbeddingKey
+from cache.layout import Check
 from cache.tier import EmbeddingTier
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class RedisTier(EmbeddingTier):
         )
         self._stats_lock = threading.Lock()
         self._counts = dict.fromkeys(
-            ("hits", "misses", "errors", "corrupt", "short_circuited", "puts", "dropped_puts"), 0
+            ("hits", "misses", "errors", "corrupt", "invalid", "short_circuited", "puts", "dropped_puts"), 0
         )
         self._async = async_puts
         self._pending: deque[tuple[str, torch.Tensor, int]] = deque()
@@ -94,32 +95,46 @@ class RedisTier(EmbeddingTier):
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get(self, key: EmbeddingKey) -> torch.Tensor | None:
-        return self.get_many([key])[0]
+    def get(self, key: EmbeddingKey, check: Check | None = None) -> torch.Tensor | None:
+        return self.get_many([key], check)[0]
 
-    def get_many(self, keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
+    def get_many(self, keys: Sequence[EmbeddingKey], check: Check | None = None) -> list[torch.Tensor | None]:
         if not keys:
             return []
-        digests = [k.digest() for k in keys]
-        levels = [k.levels for k in keys]
-        ok, raw = self._call(self._client.mget, [self._redis_key(d) for d in digests])
+        names = [self.redis_key(k) for k in keys]
+        ok, raw = self._call(self._client.mget, names)
         if not ok:
             self._count(misses=len(keys))
             return [None] * len(keys)
         out: list[torch.Tensor | None] = []
-        for digest, level, data in zip(digests, levels, raw, strict=True):
-            out.append(self._decode(digest, data, level))
+        bad: list[str] = []
+        for key, name, data in zip(keys, names, raw, strict=True):
+            tensor = self._decode(key, name, data, check)
+            if tensor is None and data is not None:
+                bad.append(name)
+            out.append(tensor)
+        if bad:
+            # NOTE: a good entry written between the read and this delete is lost too: that costs one
+            # encode, where keeping the bad one would fail every reader until its TTL.
+            self._call(self._client.delete, *bad)
         return out
 
-    def _decode(self, digest: str, data: bytes | None, levels: int = 0) -> torch.Tensor | None:
+    def _decode(
+        self, key: EmbeddingKey, name: str, data: bytes | None, check: Check | None
+    ) -> torch.Tensor | None:
         if data is None:
             self._count(misses=1)
             return None
         try:
-            tensor = codec.decode(digest, data, levels)
+            tensor = codec.decode(key.digest(), data, key.levels)
         except codec.CorruptEntry as e:
-            log.warning("ignoring corrupt embedding entry %s: %s", self._redis_key(digest), e)
-            self._count(misses=1, corrupt=1)
+            log.warning("deleting corrupt embedding entry %s: %s", name, e)
+            self._count(misses=1, corrupt=1, invalid=1)
+            return None
+        why = check(key, tensor) if check is not None else None
+        if why is not None:
+            log.warning("deleting embedding entry %s that does not fit its key: %s", name, why)
+            self._count(misses=1, invalid=1)
             return None
         self._count(hits=1)
         return tensor

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from cache.key import EmbeddingKey
+from cache.layout import Check
 
 
 class EmbeddingTier(ABC):
@@ -16,6 +17,9 @@ class EmbeddingTier(ABC):
     Contract:
     - `get(key)` returns the tensor stored under `key` (same dtype, shape and bits as put) or None.
       A returned tensor may be shared with the tier: callers must not modify it in place.
+    - `get(key, check)`: an entry for which `check(key, tensor)` gives a reason is not returned: the tier
+      drops it (deletes it from the backend, so nobody reads it again) and counts the lookup as a miss and
+      as `invalid`. Entries the tier cannot parse are dropped and counted the same way.
     - `put(key, tensor)` stores a value; it may silently decline (too large, backend down, queue
       full). A put is never required to be visible to an immediately following get.
     - Neither raises because the backend is unavailable, slow or returns damaged data: those are
@@ -29,14 +33,14 @@ class EmbeddingTier(ABC):
     name: str
 
     @abstractmethod
-    def get(self, key: EmbeddingKey) -> torch.Tensor | None: ...
+    def get(self, key: EmbeddingKey, check: Check | None = None) -> torch.Tensor | None: ...
 
     @abstractmethod
     def put(self, key: EmbeddingKey, tensor: torch.Tensor) -> None: ...
 
-    def get_many(self, keys: Sequence[EmbeddingKey]) -> list[torch.Tensor | None]:
+    def get_many(self, keys: Sequence[EmbeddingKey], check: Check | None = None) -> list[torch.Tensor | None]:
         """Batch lookup; tiers with a round-trip cost override it."""
-        return [self.get(k) for k in keys]
+        return [self.get(k, check) for k in keys]
 
     @abstractmethod
     def stats(self) -> dict[str, int | float | str]: ...

@@ -100,7 +100,15 @@ def _remote(st) -> Iterator[Metric]:
         "Images the pool did not deliver, encoded in-process or failed (by reason).",
         labels=["reason"],
     )
-    for reason in ("unreachable", "timeout", "disconnected", "remote_error", "lost", "ship_failed"):
+    for reason in (
+        "unreachable",
+        "timeout",
+        "disconnected",
+        "remote_error",
+        "lost",
+        "invalid",
+        "ship_failed",
+    ):
         fallbacks.add_metric([reason], st.fallbacks.get(reason, 0))
     yield fallbacks
     yield GaugeMetricFamily(

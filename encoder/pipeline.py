@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cache import EmbeddingCache, EmbeddingKey
+from cache import EmbeddingCache, EmbeddingKey, EmbeddingLayout
 from preprocess import PixelPatches, PreprocessConfig, PreprocessPool, preprocess
 
 log = logging.getLogger("vlmserve.encoder")
@@ -117,9 +117,11 @@ class VisionPipeline:
         encoder_threads: int = 1,
         on_finish: Callable[[], None] | None = None,
         row_width: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.encode = encode
-        self.row_width = row_width  # an embedding row's width, every deepstack level included
+        # What an entry read back from the cache must look like (row_width: every deepstack level included).
+        self.layout = EmbeddingLayout(merge_size, row_width, dtype)
         self.config = config
         self.merge_size = merge_size
         self.cache = cache
@@ -209,12 +211,7 @@ class VisionPipeline:
             return
         try:
             if self.cache is not None:
-                emb = self.cache.get(job.key)
-                if emb is not None and not self._fits(job.key, emb):
-                    log.warning(
-                        "ignoring a cached embedding of shape %s for grid %s", tuple(emb.shape), job.key.grid
-                    )
-                    emb = None
+                emb = self.cache.get(job.key, self.layout.problem)
                 if emb is not None:
                     self.stats.cache_hits += 1
                     self._finish(Encoded(job.key, embedding=emb), ticket)
@@ -231,12 +228,6 @@ class VisionPipeline:
                 self._enqueue(job, preprocess(job.data, self.config, job.max_pixels), ticket)
         except Exception as exc:  # a bad image fails its own requests only
             self._finish(Encoded(job.key, error=exc), ticket)
-
-    def _fits(self, key: EmbeddingKey, emb: torch.Tensor) -> bool:
-        """A cached entry has the layout this model reads: one row per merged token, every level in each."""
-        rows = int(np.prod(key.grid)) // self.merge_size**2
-        width = self.row_width
-        return emb.dim() == 2 and emb.shape[0] == rows and (width is None or emb.shape[1] == width)
 
     def _preprocessed(self, job: EncodeJob, ticket: _Ticket, fut: Future) -> None:
         if ticket.cancelled:

@@ -53,6 +53,7 @@ class EngineConfig:
     encoder_nice: int = 10  # the encoder_workers pool's lower CPU priority (decode steps preempt encoding)
     encoder_timeout_s: float = 30.0  # the longest an image waits for the pool before the fallback
     encoder_fallback: str = "local"  # "local": encode in-process then; "fail": the request gets a 503
+    encoder_auth_token_file: str | None = None  # the encoder pool's shared secret (encoder/tier/auth.py)
     # Load: visual budget controller and admission control
     # "adaptive" lowers new images' max_pixels under load (the server's default); "fixed" (offline default)
     # gives every image the configured maximum, as a batch job with no latency target wants.

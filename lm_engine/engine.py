@@ -84,6 +84,7 @@ class LLMEngine:
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
             row_width=row_width,
+            dtype=self.runner.dtype,
         )
         if config.encoder_url or config.encoder_workers:
             from encoder.tier.client import connect

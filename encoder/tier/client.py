@@ -23,9 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import torch
+
 from cache import EmbeddingCache, EmbeddingKey, codec
 from encoder.pipeline import Encoded, EncodeJob, EncoderStats, VisionPipeline
-from encoder.tier import wire
+from encoder.tier import auth, wire
 from encoder.tier.server import host_id
 from preprocess import PreprocessError, PreprocessWorkerError
 from preprocess.hashing import DEFAULT_HASH
@@ -33,6 +35,11 @@ from preprocess.hashing import DEFAULT_HASH
 log = logging.getLogger("vlmserve.encoder.tier")
 
 SHIP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class EncoderBatchFailed(RuntimeError):
+    """The pool's worker died or hung on the batch that held this image: encoding it here could do the same to
+    this engine, so the image fails (its request gets the error)."""
 
 
 class EncoderUnavailable(RuntimeError):
@@ -84,6 +91,7 @@ class RemoteVisionPipeline:
         reconnect_s: float = 1.0,
         owned: subprocess.Popen | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth_token: bytes | None = None,
     ) -> None:
         if fallback not in ("local", "fail"):
             raise ValueError(f"encoder fallback must be 'local' or 'fail', got {fallback!r}")
@@ -91,6 +99,7 @@ class RemoteVisionPipeline:
         self.timeout_s, self.fallback, self.reconnect_s = timeout_s, fallback, reconnect_s
         self.owned, self.clock = owned, clock
         self.model_fingerprint, self.hash_algorithm = model_fingerprint, hash_algorithm
+        self._token = auth_token
         self.remote = RemoteStats()
         self._cond = threading.Condition()
         self._sent: dict[EmbeddingKey, _Sent] = {}
@@ -158,7 +167,7 @@ class RemoteVisionPipeline:
 
     # -- sending ----------------------------------------------------------------------------------------
     def _lookup(self, job: EncodeJob) -> None:
-        if self.cache is not None and (emb := self.cache.get(job.key)) is not None:
+        if self.cache is not None and (emb := self.cache.get(job.key, self.local.layout.problem)) is not None:
             self.local.stats.cache_hits += 1
             self._finish(job.key, Encoded(job.key, embedding=emb))
             return
@@ -219,15 +228,41 @@ class RemoteVisionPipeline:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             want = ship or ("redis" if self.cache is not None and self.cache.l2 is not None else "inline")
-            wire.send(sock, {"op": "hello", "ship": want})
             reader = wire.Reader(sock)
-            hello, _, _ = reader.read()
+            hello = self._handshake(sock, reader, want)
+            self._check_hello(hello)
         except (OSError, EOFError, wire.ProtocolError) as exc:
             sock.close()
+            if isinstance(exc, ConnectionRefusedError):
+                log.warning("refusing the encoder pool at %s: %s", url, exc)
+                raise
             raise ConnectionError(f"encoder pool handshake failed: {exc}") from None
         sock.settimeout(None)
-        self._check_hello(hello)
         return sock, reader, hello
+
+    def _handshake(self, sock: socket.socket, reader: wire.Reader, ship: str) -> dict:
+        """The pool's hello, after each side proved it holds the secret when this engine has one
+        (``encoder.tier.auth``); ConnectionRefusedError when the pool refuses or cannot prove it."""
+        mine = auth.new_nonce()
+        wire.send(sock, {"op": "hello", "ship": ship, "nonce": mine})
+        reply, _, _ = reader.read()
+        if reply.get("op") == "challenge":
+            if self._token is None:
+                raise ConnectionRefusedError(
+                    "the encoder pool wants a secret: give --encoder-auth-token-file"
+                )
+            theirs = str(reply.get("nonce", ""))
+            if not auth.verify(self._token, "pool", mine, theirs, reply.get("proof")):
+                raise ConnectionRefusedError("the encoder pool did not prove it holds the secret")
+            wire.send(sock, {"op": "auth", "proof": auth.proof(self._token, "engine", mine, theirs)})
+            reply, _, _ = reader.read()
+        elif reply.get("op") == "hello" and self._token is not None:
+            raise ConnectionRefusedError(
+                "the encoder pool does not authenticate (no --auth-token-file), and this engine has a secret"
+            )
+        if reply.get("op") != "hello":
+            raise ConnectionRefusedError(f"the encoder pool refused this engine: {reply.get('error', reply)}")
+        return reply
 
     def _check_hello(self, hello: dict) -> None:
         """The pool must compute what this engine would: the same weights, the same preprocessing."""
@@ -265,27 +300,45 @@ class RemoteVisionPipeline:
         if "error" in header:
             self._remote_error(key, header)
             return
-        emb = self._embedding(key, header, payload, fd)
+        emb, lost = self._embedding(key, header, payload, fd)
         if emb is None:
-            self._fall_back([key], "lost")
+            self._fall_back([key], lost)
             return
         self.remote.observe(self.clock() - sent.sent_at, int(header.get("size", 0)))
         if self.cache is not None:
             self.cache.put(key, emb)
         self._finish(key, Encoded(key, embedding=emb))
 
-    def _embedding(self, key: EmbeddingKey, header: dict, payload: bytes, fd: int | None):
-        via = header.get("via")
+    def _embedding(
+        self, key: EmbeddingKey, header: dict, payload: bytes, fd: int | None
+    ) -> tuple[torch.Tensor | None, str]:
+        """The key's embedding as the pool shipped it, checked like any entry read back (a malformed one
+        would fail the engine step it joins); or None and why: "invalid" (malformed, or not this key's
+        layout) or "lost" (unreadable, or gone from Redis: a bad entry there is counted by the Redis tier)."""
+        via, check = header.get("via"), self.local.layout.problem
         try:
-            if via == "shm" and fd is not None:
-                return codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
-            if via == "inline":
-                return codec.decode(key.digest(), payload, key.levels)
             if via == "redis" and self.cache is not None and self.cache.l2 is not None:
-                return self.cache.l2.get(key)
-        except (codec.CorruptEntry, OSError, KeyError, ValueError):
+                # NOTE: the tier checks it, and deletes and counts a bad one, like an entry found by lookup.
+                emb = self.cache.l2.get(key, check)
+                return emb, "lost" if emb is None else ""
+            if via == "shm" and fd is not None:
+                emb = codec.decode(key.digest(), wire.read_fd(fd, int(header["size"])), key.levels)
+            elif via == "inline":
+                emb = codec.decode(key.digest(), payload, key.levels)
+            else:
+                return None, "lost"
+        except codec.CorruptEntry as exc:
+            log.warning("a malformed embedding from the encoder pool (%s); encoding it again", exc)
+            return None, "invalid"
+        except (OSError, KeyError, ValueError):
             log.warning("an embedding from the encoder pool was unreadable; encoding it here")
-        return None
+            return None, "lost"
+        if (why := check(key, emb)) is not None:
+            log.warning(
+                "an embedding from the encoder pool does not fit its key (%s); encoding it again", why
+            )
+            return None, "invalid"
+        return emb, ""
 
     def _remote_error(self, key: EmbeddingKey, header: dict) -> None:
         kind, message = header.get("kind"), str(header.get("error"))
@@ -294,6 +347,8 @@ class RemoteVisionPipeline:
             self._finish(key, Encoded(key, error=PreprocessError(code, text)))
         elif kind == "preprocess_worker":
             self._finish(key, Encoded(key, error=PreprocessWorkerError(message)))
+        elif kind == "batch_failed":
+            self._finish(key, Encoded(key, error=EncoderBatchFailed(message)))
         elif kind == "ship":  # encoded, but it could not reach this engine (the pool's Redis is down)
             self._fall_back([key], "ship_failed")
         else:
@@ -363,14 +418,18 @@ def start_local_pool(
     threads: int = 0,
     nice: int = 0,
     hash_algorithm: str = DEFAULT_HASH,
+    auth_token_file: str | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """``vlmserve encoder`` as a child of this server, on a private Unix socket; returns it and its URL.
+    """``vlmserve encoder`` as a child of this server, on a Unix socket in a directory only this user may
+    enter (mkdtemp's 0700); returns it and its URL.
 
-    ``nice``: the pool's lower CPU priority, so this server's decode loop preempts its encoding."""
+    ``nice``: the pool's lower CPU priority, so this server's decode loop preempts its encoding.
+    ``auth_token_file``: the server's own secret, which it then expects this pool to prove too."""
     path = os.path.join(tempfile.mkdtemp(prefix="vlmserve-encoder-"), "encoder.sock")
     cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", model, "--workers", str(workers)]
     cmd += ["--socket", path, "--dtype", dtype, "--device", device, "--exit-with-parent"]
     cmd += ["--threads", str(threads), "--nice", str(nice), "--hash-algorithm", hash_algorithm]
+    cmd += ["--auth-token-file", auth_token_file] if auth_token_file else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + startup_s
     for line in proc.stdout:  # the ready line, or the end of its output if it failed
@@ -389,6 +448,8 @@ def connect(
     """The engine's pipeline for ``config.encoder_url``, or for a pool of ``config.encoder_workers`` started
     here (lm_engine.config.EngineConfig); ``local`` stays the fallback."""
     owned, url = None, config.encoder_url
+    token_file = config.encoder_auth_token_file
+    token = auth.read_token(token_file) if token_file else None  # NOTE: a bad file stops start-up
     if config.encoder_workers:
         owned, url = start_local_pool(
             config.model,
@@ -398,6 +459,7 @@ def connect(
             threads=config.encoder_threads,
             nice=config.encoder_nice,
             hash_algorithm=config.hash_algorithm,
+            auth_token_file=token_file,
         )
     return RemoteVisionPipeline(
         url,
@@ -408,4 +470,5 @@ def connect(
         model_fingerprint=model_fingerprint,
         hash_algorithm=config.hash_algorithm,
         owned=owned,
+        auth_token=token,
     )

@@ -17,12 +17,23 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--model", required=True, help="the checkpoint directory the engines serve")
     p.add_argument("--port", type=int, default=None, help="TCP port for engines (tcp://HOST:PORT)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: this machine only; any other needs --auth-token-file)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="a file holding the secret engines must prove they hold (their --encoder-auth-token-file); "
+        "never sent, checked in the handshake; refused if every user may read it",
+    )
     p.add_argument(
         "--socket",
         default=None,
-        help="Unix socket for engines on this host, which get embeddings as shared memory "
-        "(default with --port: vlmserve-encoder-PORT.sock in the temp directory)",
+        help="Unix socket for engines on this host, which get embeddings as shared memory (default with "
+        "--port: encoder-PORT.sock in $XDG_RUNTIME_DIR/vlmserve, else in TMPDIR/vlmserve-UID; that "
+        "directory is made 0700, and refused if it exists with another owner or looser permissions)",
     )
     p.add_argument("--workers", type=int, default=1, help="encoder processes, each with its own vision tower")
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's own)")
@@ -55,22 +66,51 @@ def add_parser(sub) -> None:
         help="the engines' --hash-algorithm (keys hashed otherwise are refused); xxh3 only for trusted clients",
     )
     p.add_argument(
+        "--batch-timeout-s",
+        type=float,
+        default=120.0,
+        help="a worker that has not finished a batch by then is killed and replaced; the batch's images fail "
+        "(a batch whose worker dies fails too: it is never run again on another worker)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=64,
+        help="engine connections served at once; one more is told so and closed",
+    )
+    p.add_argument(
+        "--send-timeout-s",
+        type=float,
+        default=10.0,
+        help="an engine that takes no frame for this long is dropped (it never holds up the others)",
+    )
+    p.add_argument(
         "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
     )
     p.set_defaults(func=cmd_encoder)
 
 
 def cmd_encoder(args: argparse.Namespace) -> int:
+    from encoder.tier import auth
     from encoder.tier.server import TierSettings, serve_forever
 
     if args.port is None and args.socket is None:
         print("vlmserve encoder: give --port, --socket or both", file=sys.stderr)
         return 2
+    try:  # NOTE: before any model loads, so a misconfigured pool fails at once
+        token = auth.read_token(args.auth_token_file) if args.auth_token_file else None
+        if args.port is not None:
+            auth.check_exposure(args.host, token)
+    except auth.TokenFileError as exc:
+        print(f"vlmserve encoder: {exc}", file=sys.stderr)
+        return 2
     socket_path = args.socket
     if socket_path is None:
-        import tempfile
-
-        socket_path = os.path.join(tempfile.gettempdir(), f"vlmserve-encoder-{args.port}.sock")
+        try:
+            socket_path = auth.default_socket_path(args.port)
+        except PermissionError as exc:
+            print(f"vlmserve encoder: {exc}", file=sys.stderr)
+            return 2
     from lm_engine.memory import return_freed_buffers
 
     logging.getLogger().setLevel(logging.INFO)
@@ -95,6 +135,10 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             redis_timeout_s=args.redis_timeout_s,
             max_batch_patches=args.max_batch_patches,
             hash_algorithm=args.hash_algorithm,
+            batch_timeout_s=args.batch_timeout_s,
+            max_connections=args.max_connections,
+            send_timeout_s=args.send_timeout_s,
+            auth_token=token,
         ),
         exit_with_parent=args.exit_with_parent,
     )
@@ -135,6 +179,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="seconds an image may wait for the pool (then fallback)",
     )
     g.add_argument(
+        "--encoder-auth-token-file",
+        default=None,
+        help="the secret of a pool started with --auth-token-file (this server proves it holds it, and talks "
+        "only to a pool that proves the same)",
+    )
+    g.add_argument(
         "--encoder-fallback",
         default="local",
         choices=["local", "fail"],
@@ -150,4 +200,5 @@ def serve_kwargs(args: argparse.Namespace) -> dict:
         encoder_nice=args.encoder_nice,
         encoder_timeout_s=args.encoder_timeout,
         encoder_fallback=args.encoder_fallback,
+        encoder_auth_token_file=args.encoder_auth_token_file,
     )

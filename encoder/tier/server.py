@@ -15,6 +15,13 @@ Each waiting engine gets the embedding its own way:
 An engine that disconnects is forgotten at once: its waits are dropped, a key nobody else waits for is
 cancelled if the tower has not taken it yet (never encoded), and a result nobody waits for any more is not
 shipped anywhere, so nothing piles up for engines that are gone.
+
+A connection is not trusted for anything it says: with a secret (``auth``) it is an engine only once it
+proves it holds it; a key must match its bytes (the image hash is recomputed, the fingerprints and level
+count compared, the grid checked by preprocessing); ``max_pixels`` is clamped to the pool's own maximum;
+frames are read up to the preprocessing byte limit; connections up to ``max_connections``; and each
+connection's frames go out through a queue and a writer of its own, so an engine that stops reading is
+dropped without holding up anyone else.
 """
 
 from __future__ import annotations
@@ -31,9 +38,9 @@ from pathlib import Path
 from cache import EmbeddingCache, EmbeddingKey, codec
 from cache.redis_tier import RedisTier
 from encoder.pipeline import Encoded, EncodeJob, VisionPipeline
-from encoder.tier import wire
-from encoder.tier.workers import WorkerPool
-from preprocess import PreprocessConfig, PreprocessPool
+from encoder.tier import auth, wire
+from encoder.tier.workers import BatchTimeout, WorkerDied, WorkerPool
+from preprocess import PreprocessConfig, PreprocessPool, image_hash
 from preprocess.hashing import DEFAULT_HASH
 
 log = logging.getLogger("vlmserve.encoder.tier")
@@ -67,6 +74,12 @@ class TierSettings:
     max_batch_patches: int = 16384
     max_wait_ms: float = 2.0
     hash_algorithm: str = DEFAULT_HASH  # the engines' --hash-algorithm: keys hashed otherwise are refused
+    batch_timeout_s: float = 120.0  # a worker past it on a batch is killed; the batch's images fail
+    max_connections: int = 64  # engine connections at once; one more is told so and closed
+    send_timeout_s: float = 10.0  # a frame an engine has not taken by then: the engine is dropped
+    max_queued_bytes: int = 256 << 20  # frames waiting for one engine past which it is dropped
+    handshake_timeout_s: float = 10.0  # from connect to a finished hello
+    auth_token: bytes | None = field(default=None, repr=False)  # the secret engines must prove they hold
 
 
 @dataclass(slots=True)
@@ -79,27 +92,121 @@ class TierStats:
     cancelled: int = 0  # keys whose engines had all gone before the tower took them (never encoded)
     disconnects: int = 0
     ship_failures: int = 0  # waits answered "could not ship" (Redis down, its queue full)
+    connections: int = 0  # open now
+    refused_connections: int = 0  # past max_connections
+    auth_failures: int = 0  # connections that did not prove they hold the secret
+    refused_keys: int = 0  # encode requests whose key does not match their bytes, or this pool's model
+    clamped: int = 0  # encode requests whose max_pixels was above the pool's maximum
+    slow_drops: int = 0  # engines dropped because they did not take their frames (send timeout, queue bound)
+
+
+# What a queued frame is charged beyond its payload (its header, the queue's entry).
+_FRAME_COST = 512
 
 
 class _Conn:
-    """One engine connection: its socket, how it wants embeddings, and its waits (request ids by key)."""
+    """One engine connection: its socket, how it wants embeddings, and the frames on their way to it.
 
-    def __init__(self, sock: socket.socket, unix: bool) -> None:
-        self.sock, self.unix = sock, unix
+    Frames queue here and a writer thread of the connection's own sends them, each within the send timeout,
+    so whoever answers (the delivery thread, the Redis writer, the connection's reader) never waits for an
+    engine that does not read. An engine whose queue passes its bound, or that takes no frame in time, is
+    dropped; the others do not notice."""
+
+    def __init__(self, server: EncoderServer, sock: socket.socket, unix: bool) -> None:
+        self.server, self.sock, self.unix = server, sock, unix
         self.ship = "inline"
-        self.lock = threading.Lock()  # one sender at a time
         self.alive = True
+        # header, payload, as a memfd, (way, bytes) to count as shipped once written
+        self._out: deque[tuple[dict, bytes, bool, tuple[str, int] | None]] = deque()
+        self._queued = 0
+        self._closing = False
+        self._cv = threading.Condition()
+        self._writer: threading.Thread | None = None
 
-    def send(self, header: dict, payload: bytes = b"", fd: int | None = None) -> bool:
-        with self.lock:
-            if not self.alive:
+    def start_writer(self) -> None:
+        self._writer = threading.Thread(target=self._write_loop, name="vlmserve-encoder-writer", daemon=True)
+        self._writer.start()
+
+    def send(
+        self,
+        header: dict,
+        payload: bytes = b"",
+        *,
+        memfd: bool = False,
+        shipped: tuple[str, int] | None = None,
+    ) -> bool:
+        """Queue a frame (``memfd``: its payload goes as a memory file on the Unix socket); never blocks.
+        False when the engine is gone, or dropped now for not taking what it was sent."""
+        cost = len(payload) + _FRAME_COST
+        with self._cv:
+            if not self.alive or self._closing:
                 return False
-            try:
-                wire.send(self.sock, header, payload, fd)
+            if self._queued + cost <= self.server.settings.max_queued_bytes:
+                self._out.append((header, payload, memfd, shipped))
+                self._queued += cost
+                self._cv.notify()
                 return True
+            why = f"{self._queued} bytes of frames wait for it"
+        self.drop(why)
+        return False
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._out and self.alive and not self._closing:
+                    self._cv.wait()
+                if not self._out or not self.alive:
+                    return
+                header, payload, memfd, shipped = self._out[0]
+            try:
+                self._write(header, payload, memfd)
+            except TimeoutError:
+                self.drop(f"it took no frame for {self.server.settings.send_timeout_s:g} s")
+                return
             except OSError:
-                self.alive = False
-                return False
+                self.drop()
+                return
+            with self._cv:
+                if self._out:
+                    self._out.popleft()
+                    self._queued -= len(payload) + _FRAME_COST
+            if shipped is not None:
+                self.server._shipped(*shipped)
+
+    def _write(self, header: dict, payload: bytes, memfd: bool) -> None:
+        if not memfd:
+            wire.send(self.sock, header, payload)
+            return
+        fd = wire.memfd_with(payload)
+        try:
+            wire.send(self.sock, {**header, "fd": True}, fd=fd)
+        finally:
+            os.close(fd)  # the engine holds its own copy of the descriptor now
+
+    def drop(self, slow: str | None = None) -> None:
+        """Gone (``slow``: dropped for not taking its frames, and why): what is queued is not sent, and the
+        connection's reader wakes to an error and forgets the engine."""
+        with self._cv:
+            was_alive, self.alive = self.alive, False
+            self._out.clear()
+            self._queued = 0
+            self._cv.notify_all()
+        if was_alive and slow is not None:
+            log.warning("dropping an engine connection: %s", slow)
+            with self.server._lock:
+                self.server.stats.slow_drops += 1
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self, flush_s: float = 1.0) -> None:
+        """Send what is queued (a last error, say) within ``flush_s``, then close the socket."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        if self._writer is not None:
+            self._writer.join(flush_s)
+        self.drop()
+        self.sock.close()
 
 
 class EncoderServer:
@@ -112,7 +219,9 @@ class EncoderServer:
         model_config = load_model_config(path)
         dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
-        self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads)
+        # NOTE: an engine sends an image's bytes as received, which preprocessing accepts up to max_bytes.
+        self.max_frame_payload = self.preprocess_config.max_bytes
+        self.workers = WorkerPool(s.model, dtype, s.device, s.workers, s.threads, s.batch_timeout_s)
         self.fingerprint = self.workers.fingerprint
         self.redis = (
             RedisTier(
@@ -141,11 +250,14 @@ class EncoderServer:
             max_wait_s=s.max_wait_ms / 1000,
             encoder_threads=s.workers,
             on_finish=self._wake.set,
+            row_width=self.workers.row_width,
+            dtype=dtype,
         )
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._waits: dict[EmbeddingKey, list[tuple[_Conn, int]]] = {}
         self._listeners: list[socket.socket] = []
+        self._refusing = threading.BoundedSemaphore(16)  # connections being told they are one too many
         self._closed = threading.Event()
         self.address: tuple[str, int] | None = None
         self.host_id = host_id()
@@ -154,6 +266,7 @@ class EncoderServer:
     def start(self) -> None:
         s = self.settings
         if s.port is not None:
+            auth.check_exposure(s.host, s.auth_token)
             tcp = socket.create_server((s.host, s.port), reuse_port=False)
             self.address = tcp.getsockname()[:2]
             self._listen(tcp, unix=False)
@@ -179,31 +292,117 @@ class EncoderServer:
                 return
             if not unix:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_conn, args=(_Conn(sock, unix),), daemon=True).start()
+            with self._lock:
+                admitted = self.stats.connections < self.settings.max_connections
+                if admitted:
+                    self.stats.connections += 1
+                else:
+                    self.stats.refused_connections += 1
+            if admitted:
+                conn = _Conn(self, sock, unix)
+                threading.Thread(target=self._serve_conn, args=(conn,), daemon=True).start()
+            elif self._refusing.acquire(blocking=False):
+                threading.Thread(target=self._refuse, args=(sock,), daemon=True).start()
+            else:
+                sock.close()  # a flood: no word for each
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Tell a connection past the limit why, then close it (after the peer's own close, or a second, so the
+        reason is read rather than lost to a reset)."""
+        n = self.settings.max_connections
+        try:
+            sock.settimeout(1.0)
+            with contextlib.suppress(OSError):
+                error = f"the encoder pool serves at most {n} connections; try again later"
+                wire.send(sock, {"op": "error", "kind": "busy", "error": error})
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(65536):
+                    pass
+        finally:
+            sock.close()
+            self._refusing.release()
 
     def _serve_conn(self, conn: _Conn) -> None:
-        reader = wire.Reader(conn.sock)
+        reader = wire.Reader(conn.sock, max_payload=0)  # nothing before the hello carries a payload
         try:
-            while True:
-                header, payload, fd = reader.read()
-                if fd is not None:
-                    os.close(fd)  # engines never send descriptors
-                self._handle(conn, header, payload)
-        except (EOFError, OSError, wire.ProtocolError) as exc:
-            if not isinstance(exc, EOFError):
+            try:
+                conn.sock.settimeout(self.settings.handshake_timeout_s)
+                # NOTE: a bound on the whole hello, not per read: a peer dripping a byte at a time would
+                # otherwise hold one of the max_connections slots for as long as it likes.
+                deadline = threading.Timer(self.settings.handshake_timeout_s, conn.drop)
+                deadline.start()
+                try:
+                    self._handshake(conn, reader)
+                finally:
+                    deadline.cancel()
+                # NOTE: from here the timeout bounds each frame sent (a reader's wait just times out again).
+                conn.sock.settimeout(self.settings.send_timeout_s)
+                reader.max_payload = self.max_frame_payload
+                conn.start_writer()
+                while conn.alive:
+                    try:
+                        header, payload, fd = reader.read()
+                    except TimeoutError:
+                        continue  # an engine with nothing to ask
+                    if fd is not None:
+                        os.close(fd)  # engines never send descriptors
+                    self._handle(conn, header, payload)
+            except wire.ProtocolError as exc:
+                log.info("dropping an engine connection: %s", exc)
+                self._tell(conn, {"op": "error", "kind": "protocol", "error": str(exc)})
+        except (EOFError, OSError) as exc:
+            if not isinstance(exc, EOFError) and conn.alive:
                 log.info("dropping an engine connection: %s", exc)
         finally:
-            self._forget(conn)
             reader.close()
-            conn.sock.close()
+            conn.close()  # NOTE: before forgetting it, which marks it gone: a last error frame goes first
+            self._forget(conn)
+            with self._lock:
+                self.stats.connections -= 1
+
+    def _tell(self, conn: _Conn, frame: dict) -> None:
+        """A last frame before the connection closes: queued when the writer runs, else sent now (bounded)."""
+        if conn._writer is not None:
+            conn.send(frame)
+        else:
+            with contextlib.suppress(OSError):
+                wire.send(conn.sock, frame)
+
+    def _handshake(self, conn: _Conn, reader: wire.Reader) -> None:
+        """The hello, and with a secret configured, the engine's proof that it holds it (``auth``); raises
+        ProtocolError (the connection is told and closed) on anything else."""
+        hello = self._read_first(reader, "hello")
+        token = self.settings.auth_token
+        if token is not None:
+            engine_nonce, pool_nonce = hello.get("nonce"), auth.new_nonce()
+            if not isinstance(engine_nonce, str) or not 32 <= len(engine_nonce) <= 128:
+                engine_nonce = ""  # NOTE: an engine without a secret sends none; it fails below all the same
+            mine = auth.proof(token, "pool", engine_nonce, pool_nonce)
+            wire.send(conn.sock, {"op": "challenge", "nonce": pool_nonce, "proof": mine})
+            answer = self._read_first(reader, "auth")
+            if not auth.verify(token, "engine", engine_nonce, pool_nonce, answer.get("proof")):
+                with self._lock:
+                    self.stats.auth_failures += 1
+                log.warning("refused an engine connection that did not prove it holds the secret")
+                error = "authentication failed: this encoder pool needs its --auth-token-file secret"
+                wire.send(conn.sock, {"op": "error", "kind": "auth", "error": error})
+                raise EOFError  # told already; the connection closes without another word
+        conn.ship = self._ship_way(conn, hello.get("ship"))
+        wire.send(conn.sock, self._hello(conn))
+
+    @staticmethod
+    def _read_first(reader: wire.Reader, op: str) -> dict:
+        header, _, fd = reader.read()
+        if fd is not None:
+            os.close(fd)
+        if header.get("op") != op:
+            raise wire.ProtocolError(f"expected {op!r}, got {header.get('op')!r}")
+        return header
 
     # -- requests ---------------------------------------------------------------------------------------
     def _handle(self, conn: _Conn, header: dict, payload: bytes) -> None:
         op = header.get("op")
-        if op == "hello":
-            conn.ship = self._ship_way(conn, header.get("ship"))
-            conn.send(self._hello(conn))
-        elif op == "encode":
+        if op == "encode":
             self._encode(conn, header, payload)
         elif op == "stats":
             conn.send({"op": "stats", **self.snapshot()})
@@ -229,22 +428,24 @@ class EncoderServer:
         }
 
     def _encode(self, conn: _Conn, header: dict, payload: bytes) -> None:
-        rid = int(header.get("id", 0))
+        rid = header.get("id", 0)
+        if not isinstance(rid, int) or isinstance(rid, bool):
+            raise wire.ProtocolError(f"bad request id {rid!r}")
         key = wire.key_from_json(header.get("key"), self.settings.hash_algorithm)
-        if (
-            key.model_fingerprint != self.fingerprint
-            or key.preprocess_fingerprint != self.preprocess_config.fingerprint()
-        ):
-            conn.send(
-                {
-                    "op": "result",
-                    "id": rid,
-                    "error": "this encoder pool serves other vision weights or preprocessing",
-                    "kind": "mismatch",
-                }
-            )
+        if why := self._refusal(key, payload):
+            with self._lock:
+                self.stats.refused_keys += 1
+            kind = "mismatch" if why.startswith("this encoder pool") else "key"
+            conn.send({"op": "result", "id": rid, "error": why, "kind": kind})
             return
         max_pixels = header.get("max_pixels")
+        if max_pixels is not None:
+            if not isinstance(max_pixels, int) or isinstance(max_pixels, bool) or max_pixels <= 0:
+                raise wire.ProtocolError(f"bad max_pixels {max_pixels!r}")
+            if max_pixels > self.preprocess_config.max_pixels:
+                max_pixels = self.preprocess_config.max_pixels  # the pool's budget caps what an engine asks
+                with self._lock:
+                    self.stats.clamped += 1
         with self._lock:
             self.stats.requests += 1
             waits = self._waits.get(key)
@@ -253,7 +454,21 @@ class EncoderServer:
                 waits.append((conn, rid))
                 return
             self._waits[key] = [(conn, rid)]
-        self.pipeline.submit([EncodeJob(key, payload, int(max_pixels) if max_pixels is not None else None)])
+        self.pipeline.submit([EncodeJob(key, payload, max_pixels)])
+
+    def _refusal(self, key: EmbeddingKey, payload: bytes) -> str | None:
+        """Why this pool will not encode ``payload`` under ``key``, or None. The key is the engine's word;
+        what it names is recomputed here, or one engine could file its picture under another's image: the
+        image hash from the bytes, the grid by preprocessing (the pipeline refuses a grid that differs)."""
+        if (
+            key.model_fingerprint != self.fingerprint
+            or key.preprocess_fingerprint != self.preprocess_config.fingerprint()
+            or key.levels != self.workers.levels
+        ):
+            return "this encoder pool serves other vision weights or preprocessing"
+        if image_hash(payload, key.hash_algorithm) != key.image_hash:
+            return "the image's bytes do not hash to the key's image_hash"
+        return None
 
     def _forget(self, conn: _Conn) -> None:
         """The engine is gone: drop its waits; a key no live engine waits for any more is cancelled unless the
@@ -280,7 +495,11 @@ class EncoderServer:
                     waits = self._waits.pop(result.key, [])
                     if not waits:
                         self.stats.dropped += 1
-                self._deliver(result, waits)
+                try:
+                    self._deliver(result, waits)
+                except Exception as exc:  # one result that cannot be shipped fails its own waits only
+                    log.exception("could not ship an embedding")
+                    self._deliver(Encoded(result.key, error=exc), waits)
 
     def _deliver(self, result: Encoded, waits: list[tuple[_Conn, int]]) -> None:
         if result.error is not None:
@@ -306,16 +525,7 @@ class EncoderServer:
         entry = codec.encode(result.key.digest(), result.embedding, result.key.levels)
         for conn, rid in here:
             header = {"op": "result", "id": rid, "size": len(entry), "via": conn.ship}
-            if conn.ship == "shm":
-                fd = wire.memfd_with(entry)
-                try:
-                    ok = conn.send({**header, "fd": True}, fd=fd)
-                finally:
-                    os.close(fd)  # the engine holds its own copy of the descriptor now
-            else:
-                ok = conn.send(header, entry)
-            if ok:
-                self._shipped(conn.ship, len(entry))
+            conn.send(header, entry, memfd=conn.ship == "shm", shipped=(conn.ship, len(entry)))
 
     def _redis_loop(self) -> None:
         """Writes embeddings for engines elsewhere to Redis, then tells them; apart from the delivery thread,
@@ -335,8 +545,7 @@ class EncoderServer:
                 continue
             size = result.embedding.nbytes
             for conn, rid in waits:
-                if conn.send({"op": "result", "id": rid, "size": size, "via": "redis"}):
-                    self._shipped("redis", size)
+                conn.send({"op": "result", "id": rid, "size": size, "via": "redis"}, shipped=("redis", size))
 
     def _ship_failed(self, waits: list[tuple[_Conn, int]], why: str) -> None:
         for conn, rid in waits:
@@ -363,6 +572,12 @@ class EncoderServer:
                 "cancelled": self.stats.cancelled,
                 "disconnects": self.stats.disconnects,
                 "ship_failures": self.stats.ship_failures,
+                "connections": self.stats.connections,
+                "refused_connections": self.stats.refused_connections,
+                "auth_failures": self.stats.auth_failures,
+                "refused_keys": self.stats.refused_keys,
+                "clamped": self.stats.clamped,
+                "slow_drops": self.stats.slow_drops,
                 "waiting": waiting,
                 "keys_in_flight": len(self._waits),
             }
@@ -380,7 +595,8 @@ class EncoderServer:
             "worker_pids": ws.pids,
             "busy_workers": sorted(ps.busy),
             "worker_deaths": ps.worker_deaths,
-            "redispatched_images": ps.redispatched_images,
+            "failed_batches": ps.failed_batches,
+            "timed_out_batches": ps.timed_out_batches,
         }
 
     def close(self) -> None:
@@ -406,6 +622,8 @@ def _error_kind(exc: BaseException) -> str:
         return "preprocess"
     if isinstance(exc, PreprocessWorkerError):
         return "preprocess_worker"
+    if isinstance(exc, (WorkerDied, BatchTimeout)):
+        return "batch_failed"  # the engine must not encode it itself: it may crash or hang it too
     return "encoder"
 
 

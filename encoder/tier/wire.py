@@ -65,7 +65,9 @@ class Reader:
 
     def _fill(self, need: int) -> None:
         while len(self._buf) < need:
-            data, anc, _flags, _addr = self.sock.recvmsg(max(65536, need - len(self._buf)), _FD_SPACE)
+            # NOTE: at most 1 MiB per call: recvmsg allocates what it is offered, however little arrives.
+            want = min(max(65536, need - len(self._buf)), 1 << 20)
+            data, anc, _flags, _addr = self.sock.recvmsg(want, _FD_SPACE)
             for level, kind, raw in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds = array.array("i")

@@ -2,8 +2,10 @@
 
 A worker takes a batch (one JSON header and the packed patches as raw bytes over its pipe), runs the tower
 and sends the rows back the same way. ``WorkerPool.encode`` has the pipeline's ``encode`` signature: it
-borrows an idle worker, and if that worker dies mid-batch it starts a replacement and runs the same batch on
-the next idle worker, so the batch's images still get their embeddings.
+borrows an idle worker and waits at most ``batch_timeout_s`` for the rows. A worker that dies mid-batch, or
+does not finish it in time (then it is killed), is replaced, and the batch fails (its images get the error):
+it is never run again on another worker, since an image that crashed or hung one tower would do the same to
+the next, and one poisoned image must not take down the pool.
 """
 
 from __future__ import annotations
@@ -26,14 +28,19 @@ from preprocess import forkserver
 log = logging.getLogger("vlmserve.encoder.tier")
 
 # Test hook: with this set to a directory, a worker announces each batch as a file ``batch-<pid>-<n>`` and
-# holds it while ``<dir>/hold`` exists, so a test can kill or delay a worker mid-batch deterministically.
+# holds it while ``<dir>/hold`` or ``<dir>/hold-<pid>`` exists, so a test can kill or delay a worker mid-batch
+# deterministically.
 HOOK_ENV = "VLMSERVE_ENCODER_TEST_HOOKS"
 forkserver.register(["torch", "encoder.tier.workers", "encoder.models", "encoder.pipeline"])
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WorkerDied(RuntimeError):
-    """A worker process ended while it held a batch."""
+    """A worker process ended while it held a batch (the batch is not run again)."""
+
+
+class BatchTimeout(RuntimeError):
+    """A worker did not finish a batch within the pool's per-batch timeout (it was killed and replaced)."""
 
 
 def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
@@ -53,7 +60,7 @@ def _hook(n: int) -> None:
     if not hooks:
         return
     Path(hooks, f"batch-{os.getpid()}-{n}").touch()
-    while Path(hooks, "hold").exists():
+    while Path(hooks, "hold").exists() or Path(hooks, f"hold-{os.getpid()}").exists():
         time.sleep(0.01)
 
 
@@ -77,7 +84,14 @@ def worker_main(conn, model_dir: str, dtype_name: str, device: str, threads: int
         torch.set_num_threads(threads)
     tower = load_vision(model_dir, _DTYPES[dtype_name], device)
     _warm(tower, model_dir, device)
-    conn.send_bytes(json.dumps({"ready": True, "fingerprint": vision_fingerprint(tower)}).encode())
+    levels = int(getattr(tower, "levels", 0))
+    hello = {
+        "ready": True,
+        "fingerprint": vision_fingerprint(tower),
+        "levels": levels,
+        "row_width": tower.out_dim * (1 + levels),
+    }
+    conn.send_bytes(json.dumps(hello).encode())
     n = 0
     while True:
         try:
@@ -116,19 +130,30 @@ class _Worker:
 
 @dataclass(slots=True)
 class PoolStats:
-    worker_deaths: int = 0
-    redispatched_batches: int = 0
-    redispatched_images: int = 0
+    worker_deaths: int = 0  # workers that ended while holding a batch (not the ones killed for a timeout)
+    failed_batches: int = 0  # batches whose worker died under them
+    timed_out_batches: int = 0
     busy: dict[int, int] = field(default_factory=dict)  # pid -> patches of the batch it holds
 
 
 class WorkerPool:
-    def __init__(self, model_dir: str, dtype: torch.dtype, device: str, workers: int, threads: int) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: torch.dtype,
+        device: str,
+        workers: int,
+        threads: int,
+        batch_timeout_s: float = 120.0,
+    ) -> None:
         self.model_dir, self.device, self.threads = model_dir, device, threads
         self.dtype_name = str(dtype).removeprefix("torch.")
         self.size = workers
+        self.batch_timeout_s = batch_timeout_s
         self.stats = PoolStats()
         self.fingerprint: str | None = None
+        self.levels = 0  # deepstack levels each embedding row carries (the tower's)
+        self.row_width = 0  # an embedding row's width, every level included
         # NOTE: forked from the process's preloaded forkserver, never from this process (its torch threads
         # are running): a worker starts, or restarts after a crash, without importing torch again.
         self._ctx = forkserver.context()
@@ -164,6 +189,7 @@ class WorkerPool:
             ) from None
         if self.fingerprint is None:
             self.fingerprint = hello["fingerprint"]
+            self.levels, self.row_width = int(hello["levels"]), int(hello["row_width"])
         elif hello["fingerprint"] != self.fingerprint:
             raise RuntimeError("encoder workers loaded different vision weights")
         with self._lock:
@@ -182,23 +208,39 @@ class WorkerPool:
             log.exception("could not restart encoder worker %d", dead.index)
 
     def encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Rows of every image of the batch, from whichever worker survives it (the pipeline's ``encode``)."""
+        """Rows of every image of the batch (the pipeline's ``encode``); raises ``WorkerDied`` or
+        ``BatchTimeout`` for a batch its worker did not survive or finish, without running it again."""
         head = json.dumps({"shape": list(pixels.shape), "grids": grid_thw.tolist()}).encode()
         raw = np.ascontiguousarray(pixels.numpy(), dtype=np.float32)
-        for _attempt in range(self.size + 2):
-            w = self._idle.get()
-            try:
-                return self._run_on(w, head, raw, pixels.shape[0])
-            except (EOFError, OSError, WorkerDied):
-                log.warning(
-                    "encoder worker %d (pid %d) died mid-batch; running the batch again", w.index, w.proc.pid
-                )
-                with self._lock:
-                    self.stats.worker_deaths += 1
-                    self.stats.redispatched_batches += 1
-                    self.stats.redispatched_images += len(grid_thw)
-                threading.Thread(target=self._replace, args=(w,), daemon=True).start()
-        raise WorkerDied("encoder workers kept dying on this batch")
+        images = len(grid_thw)
+        w = self._idle.get()
+        try:
+            return self._run_on(w, head, raw, pixels.shape[0])
+        except BatchTimeout:
+            log.warning(
+                "encoder worker %d (pid %d) did not finish a batch of %d images in %g s; replacing it",
+                *(w.index, w.proc.pid, images, self.batch_timeout_s),
+            )
+            with self._lock:
+                self.stats.timed_out_batches += 1
+            w.proc.kill()
+            threading.Thread(target=self._replace, args=(w,), daemon=True).start()
+            raise BatchTimeout(
+                f"the vision encoder did not finish a batch of {images} images within {self.batch_timeout_s:g} s"
+            ) from None
+        except (EOFError, OSError):
+            log.warning(
+                "encoder worker %d (pid %d) died on a batch of %d images; the batch fails, it is not run again",
+                *(w.index, w.proc.pid, images),
+            )
+            with self._lock:
+                self.stats.worker_deaths += 1
+                self.stats.failed_batches += 1
+            threading.Thread(target=self._replace, args=(w,), daemon=True).start()
+            raise WorkerDied(
+                f"an encoder worker died while encoding a batch of {images} images (not retried: an image that "
+                "kills one worker would kill the next)"
+            ) from None
 
     def _run_on(self, w: _Worker, head: bytes, raw: np.ndarray, patches: int) -> torch.Tensor:
         with self._lock:
@@ -206,8 +248,8 @@ class WorkerPool:
         try:
             w.conn.send_bytes(head)
             w.conn.send_bytes(raw)
-            reply = json.loads(w.conn.recv_bytes())
-            body = w.conn.recv_bytes()
+            reply = json.loads(self._recv(w))
+            body = self._recv(w)
         finally:
             with self._lock:
                 self.stats.busy.pop(w.proc.pid, None)
@@ -215,6 +257,12 @@ class WorkerPool:
         if "error" in reply:
             raise RuntimeError(f"vision tower failed in the encoder worker: {reply['error']}")
         return torch.frombuffer(bytearray(body), dtype=_DTYPES[reply["dtype"]]).reshape(reply["shape"])
+
+    def _recv(self, w: _Worker) -> bytes:
+        # NOTE: poll is true on EOF too, so a dead worker is an EOFError here, not a timeout.
+        if not w.conn.poll(self.batch_timeout_s):
+            raise BatchTimeout
+        return w.conn.recv_bytes()
 
     def close(self) -> None:
         self._closed = True

@@ -56,6 +56,7 @@ def test_lru_evicts_least_recently_used_first(make_key: MakeKey) -> None:
         "misses": 1,
         "evictions": 1,
         "rejected": 0,
+        "invalid": 0,
         "entries": 3,
         "bytes": cap,
         "capacity_bytes": cap,

@@ -145,10 +145,18 @@ def test_corrupt_values_are_misses_and_never_unpickled(
     for target, name in ((pickle, "loads"), (pickle, "load"), (torch, "load")):
         monkeypatch.setattr(target, name, forbidden)
     assert tier.get_many([make_key(i) for i in damaged]) == [None] * len(damaged)
+    # Deleted on the first read: the next reader finds nothing rather than the same damage until the TTL.
+    assert all(redis_client.exists(tier.redis_key(make_key(i))) == 0 for i in damaged)
     assert all(tier.get(make_key(i)) is None for i in damaged)
     assert not marker.exists()
     stats = tier.stats()
-    assert (stats["corrupt"], stats["misses"], stats["hits"], stats["errors"]) == (10, 10, 0, 0)
+    assert (stats["corrupt"], stats["invalid"], stats["misses"], stats["hits"], stats["errors"]) == (
+        5,
+        5,
+        10,
+        0,
+        0,
+    )
     assert stats["breaker_state"] == "closed", "damaged data is not a backend failure"
 
     # The next put for a damaged key repairs it.

@@ -1,15 +1,19 @@
 """`vlmserve encoder` as a process, spoken to by hand: the wire format, embeddings equal to the in-process
-encoder's, one encode per key across engines, a worker killed mid-batch, an engine that disconnects (its
-queued keys dropped unless another engine waits for them).
+encoder's, one encode per key across engines, a batch that kills its worker or hangs (it fails alone and
+is never run again), an engine that disconnects (its queued keys dropped unless another engine waits for
+them).
 
 The pace is set by the pool's test hook (workers hold each batch while a file exists), never by a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -32,6 +36,23 @@ def pool(tmp_path_factory, tiny_ckpt):
 def lone_pool(tmp_path_factory, tiny_ckpt):
     """One worker (one encoder thread): while it holds a batch, every other key waits in the queue."""
     p = start_pool(tmp_path_factory.mktemp("lone_pool"), tiny_ckpt, "--workers", "1")
+    yield p
+    p.stop()
+
+
+TIMEOUT_S = 10  # --batch-timeout-s of ``timeout_pool``: far above a tiny batch, however busy the machine
+
+
+@pytest.fixture(scope="module")
+def timeout_pool(tmp_path_factory, tiny_ckpt):
+    p = start_pool(
+        tmp_path_factory.mktemp("timeout_pool"),
+        tiny_ckpt,
+        "--workers",
+        "1",
+        "--batch-timeout-s",
+        str(TIMEOUT_S),
+    )
     yield p
     p.stop()
 
@@ -94,25 +115,110 @@ def test_same_image_from_two_engines_is_encoded_once(pool, inproc):
     torch.testing.assert_close(got1[2], encode_here(inproc, other), rtol=1e-5, atol=1e-5)
 
 
-def test_worker_killed_mid_batch_its_images_are_encoded_by_another(pool, inproc):
-    cfg = inproc.engine.preprocess_config
-    data = make_image(448, 448, 103, "JPEG")
-    before = pool.stats()
-    pool.hold()
+@contextlib.contextmanager
+def poisoned(pool):
+    """Every batch begun meanwhile dies mid-batch, wherever it runs (as if its image crashed the tower); yields
+    the pids killed."""
     started = pool.started_batches()
-    with RawEngine(pool.socket_path) as eng:
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def poison() -> None:
+        seen = set(started)
+        while not stop.is_set():
+            for pid, n in sorted(set(pool.started_batches()) - seen):
+                seen.add((pid, n))
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    pool.hold()  # each batch waits at its start, so the kill lands mid-batch
+    watcher = threading.Thread(target=poison, daemon=True)
+    watcher.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        watcher.join()
+        pool.release()
+
+
+def test_a_batch_that_kills_its_worker_fails_and_is_not_run_again(pool, inproc):
+    """A poisoned image kills every tower it reaches: the first death fails its batch with a clear error; no
+    other worker is handed it, so one worker dies, not the pool."""
+    cfg = inproc.engine.preprocess_config
+    data, after_it = make_image(448, 448, 103, "JPEG"), make_image(256, 320, 109)
+    before = pool.stats()
+    with poisoned(pool) as killed, RawEngine(pool.socket_path) as eng:
+        eng.sock.settimeout(120)  # a bound against hanging, not a pace
         key = eng.key(data, cfg)
         eng.encode(1, key, data)
-        pid, _ = pool.wait_batch_started(started)
-        os.kill(pid, signal.SIGKILL)
-        pool.release()
         rid, emb, header = eng.result({1: key})
-    assert rid == 1 and "error" not in header, header
-    torch.testing.assert_close(emb, encode_here(inproc, data), rtol=1e-5, atol=1e-5)
+    assert rid == 1 and emb is None and header["kind"] == "batch_failed", header
+    assert "died" in header["error"] and "not retried" in header["error"]
     after = pool.wait_for(lambda s: len(s["worker_pids"]) == 2, what="a replacement worker")
-    assert pid not in after["worker_pids"]
+    assert len(killed) == 1 and killed[0] not in after["worker_pids"]
     assert after["worker_deaths"] - before["worker_deaths"] == 1
-    assert after["redispatched_images"] - before["redispatched_images"] == 1
+    assert after["failed_batches"] - before["failed_batches"] == 1
+    with RawEngine(pool.socket_path) as eng:  # the pool goes on serving
+        eng.sock.settimeout(120)
+        key = eng.key(after_it, cfg)
+        eng.encode(2, key, after_it)
+        rid, emb, header = eng.result({2: key})
+    assert rid == 2 and "error" not in header, header
+    torch.testing.assert_close(emb, encode_here(inproc, after_it), rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_does_not_encode_itself_an_image_that_killed_a_pool_worker(pool, tiny_ckpt):
+    """The engine's in-process fallback is for a pool that is away, not for an image that crashed a tower:
+    encoding it here could crash the engine. It fails its own request (a 500), nothing else."""
+    from encoder.tier.client import EncoderBatchFailed
+    from tests.encoder.test_pipeline import jobs_for
+    from tests.encoder.test_tier_client import collect
+
+    with LLM(str(tiny_ckpt), num_kv_blocks=32, embedding_cache_bytes=0, encoder_url=pool.tcp_url) as llm:
+        vision = llm.engine.vision
+        jobs = jobs_for(llm, [make_image(288, 224, 112, "JPEG")])
+        with poisoned(pool) as killed:
+            vision.submit(jobs)
+            results = collect(vision, 1)
+        assert isinstance(results[0].error, EncoderBatchFailed), results[0]
+        assert vision.remote.fallbacks == {} and vision.stats.images == 0 and len(killed) == 1
+    pool.wait_for(lambda s: len(s["worker_pids"]) == 2, what="a replacement worker")
+
+
+def test_a_batch_that_hangs_times_out_and_fails_only_its_own_images(timeout_pool, inproc):
+    """A worker that never finishes its batch: past --batch-timeout-s the batch's images fail with a clear
+    error and the worker is replaced; the image queued behind it is encoded by the replacement."""
+    pool, cfg = timeout_pool, inproc.engine.preprocess_config
+    hung, behind = make_image(320, 256, 110, "JPEG"), make_image(224, 288, 111)
+    before = pool.stats()
+    started = pool.started_batches()
+    pool.hold()
+    try:
+        with RawEngine(pool.socket_path) as eng:
+            eng.sock.settimeout(120)  # a bound against hanging, not a pace
+            k_hung, k_behind = eng.key(hung, cfg), eng.key(behind, cfg)
+            eng.encode(1, k_hung, hung)
+            pid, _ = pool.wait_batch_started(started)
+            pool.hold_only(pid)  # this worker never finishes; its replacement is not held
+            eng.encode(2, k_behind, behind)
+            results = {
+                rid: (emb, header)
+                for rid, emb, header in (eng.result({1: k_hung, 2: k_behind}) for _ in range(2))
+            }
+    finally:
+        pool.stop_holding()
+    emb, header = results[1]
+    assert emb is None and header["kind"] == "batch_failed", header
+    assert f"within {TIMEOUT_S} s" in header["error"], header
+    emb, header = results[2]
+    assert "error" not in header, header
+    torch.testing.assert_close(emb, encode_here(inproc, behind), rtol=1e-5, atol=1e-5)
+    after = pool.wait_for(lambda s: len(s["worker_pids"]) == 1, what="a replacement worker")
+    assert pid not in after["worker_pids"]
+    assert after["timed_out_batches"] - before["timed_out_batches"] == 1
+    assert after["worker_deaths"] == before["worker_deaths"]
 
 
 def test_engine_gone_while_its_embeddings_are_in_flight_leaves_nothing_behind(pool, inproc):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ from cache import EmbeddingKey, codec
 from encoder.tier import wire
 from encoder.tier.workers import HOOK_ENV
 from preprocess import PreprocessConfig, preprocess
-from preprocess.hashing import image_hash
+from preprocess.hashing import DEFAULT_HASH, image_hash
 from tests.support import REPO
 
 
@@ -28,6 +29,7 @@ class Pool:
     tcp_url: str
     socket_path: str
     hooks: Path
+    token: bytes | None = None  # the pool's --auth-token-file secret
 
     def hold(self) -> None:
         """Workers stop at the start of their next batch until ``release``."""
@@ -35,6 +37,11 @@ class Pool:
 
     def release(self) -> None:
         (self.hooks / "hold").unlink(missing_ok=True)
+
+    def hold_only(self, pid: int) -> None:
+        """The worker ``pid`` holds its batch until the test ends; every other worker runs freely."""
+        (self.hooks / f"hold-{pid}").touch()  # NOTE: before the release, so that worker never runs free
+        self.release()
 
     def started_batches(self) -> list[tuple[int, int]]:
         """(worker pid, batch number) of every batch a worker has begun."""
@@ -45,10 +52,15 @@ class Pool:
         return sorted(out)
 
     def stats(self) -> dict:
-        with RawEngine(self.socket_path) as eng:
-            wire.send(eng.sock, {"op": "stats"})
-            header, _, _ = eng.reader.read()
-            return header
+        deadline = time.monotonic() + 60
+        while True:
+            with RawEngine(self.socket_path, token=self.token) as eng:
+                if eng.hello.get("kind") != "busy":  # all connections taken: one closes soon (a test's)
+                    wire.send(eng.sock, {"op": "stats"})
+                    header, _, _ = eng.reader.read()
+                    return header
+            assert time.monotonic() < deadline, "the pool never had a connection free for its stats"
+            time.sleep(0.05)
 
     def wait_for(self, predicate, timeout: float = 120.0, what: str = "") -> dict:
         """Poll the pool's stats until ``predicate`` holds (a bound against hanging, not a pace)."""
@@ -68,8 +80,13 @@ class Pool:
             time.sleep(0.02)
         return new[0]
 
-    def stop(self) -> None:
+    def stop_holding(self) -> None:
         self.release()
+        for held in self.hooks.glob("hold-*"):
+            held.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        self.stop_holding()
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(30)
@@ -77,12 +94,21 @@ class Pool:
             self.proc.kill()
 
 
-def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
+def start_pool(
+    tmp: Path, ckpt: Path, *extra: str, socket_path: bool = True, token: bytes | None = None, env=None
+) -> Pool:
+    """``socket_path``: give the pool ``--socket`` in ``tmp`` (else its default); ``token``: its secret, in a
+    file of mode 600 (``--auth-token-file``); ``env``: more environment for it."""
     hooks = tmp / "hooks"
     hooks.mkdir(exist_ok=True)
-    sock = str(tmp / "encoder.sock")
-    env = {**os.environ, HOOK_ENV: str(hooks), "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", str(ckpt), "--port", "0", "--socket", sock]
+    env = {**os.environ, HOOK_ENV: str(hooks), "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [sys.executable, "-m", "api.cli", "encoder", "--model", str(ckpt), "--port", "0"]
+    if socket_path:
+        cmd += ["--socket", str(tmp / "encoder.sock")]
+    if token is not None:
+        (token_file := tmp / "token").write_bytes(token)
+        token_file.chmod(0o600)
+        cmd += ["--auth-token-file", str(token_file)]
     proc = subprocess.Popen([*cmd, *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("vlmserve encoder ready"):
@@ -90,18 +116,41 @@ def start_pool(tmp: Path, ckpt: Path, *extra: str) -> Pool:
         raise RuntimeError(f"encoder pool did not start: {line!r} (exit {proc.wait()})")
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     tcp = next(w for w in line.split() if w.startswith("tcp://"))
-    return Pool(proc, tcp, sock, hooks)
+    unix = next(w for w in line.split() if w.startswith("unix://")).removeprefix("unix://")
+    return Pool(proc, tcp, unix, hooks, token)
 
 
 class RawEngine:
-    """An engine reduced to the protocol: hello, encode requests, results (shared memory by default)."""
+    """An engine reduced to the protocol: hello, encode requests, results (shared memory by default).
 
-    def __init__(self, socket_path: str, ship: str = "shm") -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(socket_path)
+    ``address``: a Unix socket path, or ``tcp://host:port``. ``hello`` is the pool's answer to the hello (an
+    ``"op": "error"`` frame when it refused the connection)."""
+
+    def __init__(
+        self, address: str, ship: str = "shm", rcvbuf: int | None = None, token: bytes | None = None
+    ) -> None:
+        if address.startswith("tcp://"):
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            if (
+                rcvbuf is not None
+            ):  # NOTE: before connecting, so the window it advertises is small from the start
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.connect((host, int(port)))
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(address)
         self.reader = wire.Reader(self.sock)
-        wire.send(self.sock, {"op": "hello", "ship": ship})
+        nonce = secrets.token_hex(32)
+        wire.send(self.sock, {"op": "hello", "ship": ship, "nonce": nonce})
         self.hello, _, _ = self.reader.read()
+        if self.hello.get("op") == "challenge" and token is not None:  # prove the secret
+            from encoder.tier import auth
+
+            wire.send(
+                self.sock, {"op": "auth", "proof": auth.proof(token, "engine", nonce, self.hello["nonce"])}
+            )
+            self.hello, _, _ = self.reader.read()
 
     def key(self, data: bytes, config: PreprocessConfig) -> EmbeddingKey:
         grid = tuple(preprocess(data, config).grid_thw)
@@ -128,3 +177,64 @@ class RawEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class FakePool:
+    """A pool that answers every encode with ``entry(key)`` (on a Unix socket in ``tmp``): a pool gone wrong,
+    or something posing as one. Inline, or with ``redis`` (a client): written there, and the engine told
+    to read it."""
+
+    def __init__(
+        self, tmp: Path, preprocess_fp: str, model_fp: str, entry, redis=None, prefix: str = ""
+    ) -> None:
+        self.path = str(tmp / "fake.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(8)
+        self.hello = {
+            "op": "hello",
+            "ship": "inline" if redis is None else "redis",
+            "model": model_fp,
+            "preprocess": preprocess_fp,
+            "hash": DEFAULT_HASH,
+        }
+        self.entry, self.redis, self.prefix = entry, redis, prefix
+        self.served = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        reader = wire.Reader(sock)
+        try:
+            while True:
+                header, _payload, _ = reader.read()
+                if header.get("op") == "hello":
+                    wire.send(sock, self.hello)
+                elif header.get("op") == "encode":
+                    key = wire.key_from_json(header["key"])
+                    data = self.entry(key)
+                    reply = {"op": "result", "id": header["id"], "size": len(data), "via": "inline"}
+                    if self.redis is not None:
+                        self.redis.set(f"{self.prefix}emb:{key.digest()}", data)
+                        wire.send(sock, {**reply, "via": "redis"})
+                    else:
+                        wire.send(sock, reply, data)
+                    self.served += 1
+        except (EOFError, OSError, wire.ProtocolError):
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
