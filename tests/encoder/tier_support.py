@@ -222,7 +222,7 @@ class FakePool:
                 if header.get("op") == "hello":
                     wire.send(sock, self.hello)
                 elif header.get("op") == "encode":
-                    key = wire.key_from_json(header["key"])
+                    key = wire.key_from_json(header["key"], DEFAULT_HASH)
                     data = self.entry(key)
                     reply = {"op": "result", "id": header["id"], "size": len(data), "via": "inline"}
                     if self.redis is not None:
