@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingCache
+from cache.layout import EmbeddingLayout
 from encoder import VisionPipeline, vision_fingerprint
 from lm_engine.admission import Admission, EngineOverloaded, Ticket
 from lm_engine.block_manager import BlockManager
@@ -90,9 +91,8 @@ class LLMEngine:
             from encoder.tier.client import connect
 
             self.vision = connect(config, self.vision, self.embedding_cache, self.processor.model_fingerprint)
-        self.images = EncodedImages(
-            self.vision, self.runner.place, row_width, self.model_config.spatial_merge_size
-        )
+        layout = EmbeddingLayout(self.model_config.spatial_merge_size, row_width, self.runner.dtype)
+        self.images = EncodedImages(self.vision, self.runner.place, layout)
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
         self.requests: dict[str, RequestState] = {}

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from cache import EmbeddingKey
+from cache.layout import EmbeddingLayout
 from encoder import EncodeJob, VisionPipeline
 from lm_engine.sequence import ImageItem
-from preprocess import num_visual_tokens
 
 
 class MalformedEmbedding(RuntimeError):
@@ -29,13 +29,11 @@ class EncodedImages:
         self,
         pipeline: VisionPipeline,
         place: Callable[[torch.Tensor], torch.Tensor],
-        row_width: int,
-        merge_size: int,
+        layout: EmbeddingLayout,
     ) -> None:
         self.pipeline = pipeline
         self.place = place  # onto the engine's device (an embedding read back from Redis is on the CPU)
-        self.row_width = row_width  # every deepstack level included
-        self.merge_size = merge_size
+        self.layout = layout  # what the decoder reads for a key
         self.ready: dict[EmbeddingKey, torch.Tensor] = {}
         self.failed: dict[EmbeddingKey, BaseException] = {}
         self._holders: Counter[EmbeddingKey] = Counter()
@@ -84,12 +82,9 @@ class EncodedImages:
                 self.ready[result.key] = self.place(result.embedding)
 
     def _malformed(self, key: EmbeddingKey, emb: torch.Tensor) -> str | None:
-        rows = num_visual_tokens(key.grid, self.merge_size)
-        if not isinstance(emb, torch.Tensor) or not emb.is_floating_point():
-            return f"the embedding is not a floating-point tensor ({type(emb).__name__})"
-        if tuple(emb.shape) != (rows, self.row_width):
-            return f"the embedding is {tuple(emb.shape)}, the image's grid needs ({rows}, {self.row_width})"
-        return None
+        if not isinstance(emb, torch.Tensor):
+            return f"the embedding is a {type(emb).__name__}, not a tensor"
+        return self.layout.problem(key, emb)
 
     @property
     def waiting(self) -> bool:
