@@ -283,7 +283,7 @@ class ChatService:
         try:
             prompt = await prepare_prompt(
                 self.engine.engine,
-                [m.to_engine() for m in req.messages],
+                req.messages,
                 self.media,
                 max_images=self.args.max_images,
                 executor=self.executor,

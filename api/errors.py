@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.async_engine import EngineDead, EngineFailure
+from api.protocol import BodyErrors
 from lm_engine.admission import EngineOverloaded
 from lm_engine.outputs import RequestError
 from lm_engine.processor import InputError
@@ -63,7 +64,7 @@ def _loc(loc: tuple) -> str:
     return ".".join(str(p) for p in parts)
 
 
-def from_validation_error(exc: RequestValidationError | ValidationError) -> APIError:
+def from_validation_error(exc: RequestValidationError | ValidationError | BodyErrors) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body", code="invalid_request")

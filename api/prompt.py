@@ -22,9 +22,10 @@ async def fetch_all(media: MediaFetcher, urls: list[str]) -> list[bytes]:
             t.cancel()
 
 
-def normalize(messages: list[dict], max_images: int) -> ChatInput:
-    """The messages normalized (lm_engine.processor), refused if they carry more images than allowed."""
-    chat = normalize_messages(messages)
+def normalize(messages: list, max_images: int) -> ChatInput:
+    """The messages (dicts, or the API's parsed ``Message``s) normalized (lm_engine.processor), refused if they
+    carry more images than allowed."""
+    chat = normalize_messages([m.to_engine() if hasattr(m, "to_engine") else m for m in messages])
     if len(chat.images) > max_images:
         raise APIError(
             400,
@@ -37,7 +38,7 @@ def normalize(messages: list[dict], max_images: int) -> ChatInput:
 
 async def prepare_prompt(
     engine: LLMEngine,
-    messages: list[dict],
+    messages: list,
     media: MediaFetcher,
     *,
     max_images: int,
@@ -50,11 +51,12 @@ async def prepare_prompt(
     it (see LLMEngine.process_chat). Chat templating, tokenization and image
     processing run in ``executor``: they are CPU work that must not stall the event loop.
     """
-    chat = normalize(messages, max_images)
+    loop = asyncio.get_running_loop()
+    # NOTE: on the executor too: a body of a million small messages takes seconds to walk, and on the event
+    # loop those seconds would hold every other client and the balancer's health checks.
+    chat = await loop.run_in_executor(executor, normalize, messages, max_images)
     for image, data in zip(chat.images, await fetch_all(media, [im.source for im in chat.images])):
         image.source = data
-    loop = asyncio.get_running_loop()
-    process = (
-        functools.partial(engine.process_chat, cache_salt=cache_salt) if cache_salt else engine.process_chat
+    return await loop.run_in_executor(
+        executor, functools.partial(engine.process_chat, cache_salt=cache_salt), chat
     )
-    return await loop.run_in_executor(executor, process, chat)

@@ -23,7 +23,15 @@ from api.config import ServerArgs
 from api.errors import APIError, from_validation_error, install_error_handlers
 from api.media import MediaFetcher
 from api.metrics import ServerMetrics
-from api.protocol import ChatCompletion, ChatCompletionRequest, ErrorBody, ModelCard, ModelList
+from api.protocol import (
+    BodyErrors,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+    parse_large_request,
+)
 from api.replica import ReplicaHeader
 from cache.metrics import EmbeddingCacheCollector
 from encoder.metrics import VisionPathCollector
@@ -167,16 +175,14 @@ class _Server:
         return tenant
 
     async def chat_body(self, request: Request) -> ChatCompletionRequest:
-        """The request body, parsed and validated; a large one on a worker thread, so that the event loop keeps
-        answering (health checks, other clients' streams) while megabytes of JSON are parsed. Validation from
-        the raw bytes in one pass lets the parser yield the interpreter now and then; building Python objects
-        first and validating them after would hold it for all of a large body's seconds."""
+        """The request body, parsed and validated; a large one on a worker thread and in pieces, so that the
+        event loop keeps answering (health checks, other clients' streams) while megabytes of JSON are parsed."""
         raw = await request.body()
         try:
             if len(raw) > self.args.parse_off_loop_bytes:
-                return await asyncio.to_thread(ChatCompletionRequest.model_validate_json, raw)
+                return await asyncio.to_thread(parse_large_request, raw)
             return ChatCompletionRequest.model_validate_json(raw)
-        except ValidationError as exc:
+        except (ValidationError, BodyErrors) as exc:
             raise from_validation_error(exc) from None
 
     async def chat_completions(self, request: Request, response: Response, tenant: str | None):

@@ -75,25 +75,45 @@ def test_several_api_keys_each_a_tenant(tiny_ckpt, tmp_path):
 
 def test_a_large_body_is_parsed_off_the_event_loop(tiny_ckpt, monkeypatch):
     """Megabytes of JSON parsed on the event loop hold every other client (and the balancer's health checks)
-    for seconds; past the threshold the body is parsed on a worker thread."""
+    for seconds; past the threshold the body is parsed on a worker thread, message by message, with the same
+    verdicts as the one-call parse of a small body."""
+    import api.server
     from api.protocol import ChatCompletionRequest
 
-    threads: list[str] = []
-    real = ChatCompletionRequest.model_validate_json
+    threads: dict[str, list[str]] = {"small": [], "large": []}
+    real_small, real_large = ChatCompletionRequest.model_validate_json, api.server.parse_large_request
 
-    def recording(raw, *args, **kw):
-        threads.append(threading.current_thread().name)
-        return real(raw, *args, **kw)
+    def small(raw, *args, **kw):
+        threads["small"].append(threading.current_thread().name)
+        return real_small(raw, *args, **kw)
 
-    monkeypatch.setattr(ChatCompletionRequest, "model_validate_json", recording)
-    with make_client(tiny_ckpt, parse_off_loop_bytes=300) as client:
-        loop_thread = client.portal.call(lambda: threading.current_thread().name)
-        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
-        padded = {**CHAT, "messages": [{"role": "system", "content": "x" * 400}, *CHAT["messages"]]}
-        assert client.post("/v1/chat/completions", json=padded).status_code == 200
-        bad = client.post("/v1/chat/completions", content=b'{"messages": "' + b"x" * 5000 + b'"}')
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
-    assert threads[0] == loop_thread and threads[1] != loop_thread and threads[2] != loop_thread
+    def large(raw):
+        threads["large"].append(threading.current_thread().name)
+        return real_large(raw)
+
+    monkeypatch.setattr(ChatCompletionRequest, "model_validate_json", small)
+    monkeypatch.setattr(api.server, "parse_large_request", large)
+    pad = {"role": "system", "content": "x" * 400}
+    cases = [
+        (CHAT, 200, None),
+        ({**CHAT, "messages": [pad, *CHAT["messages"]]}, 200, None),
+        ({**CHAT, "messages": [pad, {"role": "wizard", "content": "hi"}]}, 400, "messages.1.role"),
+        ({**CHAT, "messages": [pad, *CHAT["messages"]], "n": "2"}, 400, "n"),
+        ({**CHAT, "messages": [pad, {"role": "user", "content": [{"type": "audio"}]}]}, 400, None),
+    ]
+    loops: list[str] = []
+    for padded in (False, True):
+        with make_client(tiny_ckpt, parse_off_loop_bytes=300 if padded else 10**6) as client:
+            loops.append(client.portal.call(lambda: threading.current_thread().name))
+            for body, status, param in cases:
+                resp = client.post("/v1/chat/completions", json=body)
+                assert resp.status_code == status, resp.text
+                if param is not None:
+                    assert resp.json()["error"]["param"] == param
+            bad = client.post("/v1/chat/completions", content=b'{"messages": [' + b" " * 400)
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "json_invalid"
+    assert set(threads["small"]) <= set(loops) and len(threads["small"]) == len(cases) + 1 + 1
+    assert threads["large"] and not set(threads["large"]) & set(loops)
 
 
 def test_request_body_cap(tiny_ckpt):
