@@ -181,6 +181,14 @@ class ServerProcess:
         """Metrics once no request runs or waits and every KV block is free (or the last look on timeout)."""
         return wait_idle(self.metrics, timeout)
 
+    def stop(self, timeout_s: float = 30) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.http.close()
+
     def assert_alive(self) -> None:
         assert self.proc.poll() is None, f"server exited: {self.log_path.read_text()[-3000:]}"
         assert self.http.get("/health").status_code == 200
@@ -257,12 +265,7 @@ def canary():
 def server(tmp_path_factory, tiny_ckpt, image_server, canary):
     s = start_server(tmp_path_factory.mktemp("server"), tiny_ckpt, image_server, canary)
     yield s
-    s.proc.terminate()
-    try:
-        s.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        s.proc.kill()
-    s.http.close()
+    s.stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ sharing one pool encode an image they are both sent at once a single time."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,15 +25,6 @@ SCENARIOS["large-jpeg"] = user(
 SCENARIOS["png-then-jpeg"] = user(
     image_url_part(data_url(PNG)), "then", image_url_part(data_url(JPEG, "image/jpeg")), "Why?"
 )
-
-
-def _stop(server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(30)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-    server.http.close()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +56,7 @@ def tier_servers(tmp_path_factory, tiny_ckpt, image_server, canary, pool):
         yield started
     finally:
         for s in started.values():
-            _stop(s)
+            s.stop()
 
 
 @pytest.mark.parametrize("target", ["url", "workers"])

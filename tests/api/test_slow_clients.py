@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import select
 import socket
-import subprocess
 import time
 
 import pytest
@@ -20,15 +19,6 @@ BODY_TIMEOUT_S = 1.5
 GUARD_S = 60.0  # a bound on waiting, far past any machine's pace
 
 
-def stop(server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(15)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-    server.http.close()
-
-
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, tiny_ckpt, image_server, canary):
     s = start_server(
@@ -36,7 +26,7 @@ def guarded(tmp_path_factory, tiny_ckpt, image_server, canary):
         "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
     )  # fmt: skip
     yield s
-    stop(s)
+    s.stop()
 
 
 def connect(server) -> socket.socket:
@@ -132,4 +122,4 @@ def test_connections_past_the_cap_are_refused_at_once(tmp_path_factory, tiny_ckp
     finally:
         for sock in held:
             sock.close()
-        stop(server)
+        server.stop()
