@@ -19,6 +19,18 @@ if TYPE_CHECKING:
 # multiprocessing starts re-import the main module (`python -m api.cli`, or the `vlmserve` script that imports
 # it), and torch et al. here cost every preprocess and encoder worker seconds of start-up.
 
+# make-model's presets, named here so the parser needs no torch (a test checks them against the generators'):
+# test shapes, then the published checkpoints' shapes, each of which implies its family.
+MAKE_MODEL_PRESETS = ("tiny", "wide", "small", "demo")
+PUBLISHED_PRESETS = (
+    "qwen2-vl-2b",
+    "qwen2.5-vl-3b",
+    "qwen2.5-vl-7b",
+    "qwen3-vl-2b",
+    "qwen3-vl-4b",
+    "qwen3-vl-8b",
+)
+
 
 def _default(cls, name: str):
     """A settings dataclass's own default: the one source of truth for the flags' defaults."""
@@ -107,13 +119,19 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
     t0 = time.perf_counter()
-    if args.preset in ("wide", "demo") and args.family != "qwen2_vl":
-        raise SystemExit(f"vlmserve make-model: the {args.preset} preset exists for --family qwen2_vl only")
-    if args.family == "qwen3_vl":
+    # A published shape stands for one family: it picks --family, and a contradicting one is refused.
+    shape = qwen2_vl_make.PRESETS.get(args.preset) or qwen3_vl_make.PRESETS[args.preset].text
+    family = args.family or shape.family or "qwen2_vl"
+    if shape.family is not None and family != shape.family:
+        raise SystemExit(
+            f"vlmserve make-model: the {args.preset} preset exists for --family {shape.family} only "
+            "(it implies it: leave --family out)"
+        )
+    if family == "qwen3_vl":
         path = qwen3_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed)
     else:
-        path = qwen2_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed, family=args.family)
-    print(f"wrote {args.family} {args.preset} checkpoint to {path} in {time.perf_counter() - t0:.1f}s")
+        path = qwen2_vl_make.make_checkpoint(args.out, preset=args.preset, seed=args.seed, family=family)
+    print(f"wrote {family} {args.preset} checkpoint to {path} in {time.perf_counter() - t0:.1f}s")
     return 0
 
 
@@ -614,10 +632,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "wide", "small", "demo"],
-        help="wide, demo: Qwen2-VL only",
+        choices=[*MAKE_MODEL_PRESETS, *PUBLISHED_PRESETS],
+        help="tiny, small: any family; wide, demo: Qwen2-VL only; the others are the published checkpoints' "
+        "shapes (random weights, HF-like shards) and imply their family",
     )
-    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+    p.add_argument(
+        "--family",
+        default=None,
+        choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"],
+        help="default: the preset's own, else qwen2_vl",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_model)

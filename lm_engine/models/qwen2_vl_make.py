@@ -4,6 +4,9 @@ The output directory has the layout of a real `Qwen/Qwen2-VL-*-Instruct` checkpo
 `config.json`, weights under the original (pre-transformers-v5) key names, a byte-level BPE tokenizer with
 the Qwen2-VL special tokens appended after the learned vocab, the Qwen2-VL chat template and the image
 processor config. Same preset + seed gives byte-identical files; the tokenizer depends on the preset only.
+
+Besides the test presets, the published Qwen2-VL-2B / Qwen2.5-VL-3B / Qwen2.5-VL-7B shapes (random weights,
+HF-like shards, drawn and written one shard at a time).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import hashlib
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +74,7 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 @dataclass(frozen=True, slots=True)
 class Preset:
-    vocab_size: int  # learned BPE tokens + the special tokens; equals config vocab_size
+    vocab_size: int  # config vocab_size: the embedding's and lm_head's rows
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -88,6 +92,34 @@ class Preset:
     corpus_words: int  # distinct pseudo-words, enough for BPE to reach the vocab size
     corpus_lines: int
     max_position_embeddings: int = 32768
+    # Published shapes; the defaults keep the test presets' files byte for byte as they were.
+    family: str | None = None  # the one family this shape stands for (None: any of FAMILIES)
+    tokenizer_vocab_size: int | None = None  # learned BPE + specials when smaller than vocab_size
+    tie_word_embeddings: bool = False
+    max_window_layers: int | None = None  # None: num_layers
+    sliding_window: int | None = None  # None: max_position_embeddings
+    vision_intermediate_size: int | None = None  # Qwen2.5-VL tower MLP; None: from vision_mlp_ratio
+    window_size: int = 112  # Qwen2.5-VL window attention, pixels
+    fullatt_block_indexes: tuple[int, ...] | None = None  # Qwen2.5-VL; None: the last block of each half
+    shard_size_bytes: int | None = None  # make_checkpoint's default; None: one model.safetensors
+
+    @property
+    def tokenizer_vocab(self) -> int:
+        """Rows the tokenizer can produce; the rest of vocab_size are padding rows, as in released checkpoints
+        (Qwen2-VL's config has 151,936 rows for a 151,665-token tokenizer)."""
+        return self.tokenizer_vocab_size or self.vocab_size
+
+
+# NOTE: real-size presets write HF-like shards: save_pretrained's shards of the released checkpoints are
+# <= 4-5 GB (Qwen2-VL-2B-Instruct: 3.99 GB + 429 MB).
+REAL_SHARD_BYTES = 4_000_000_000
+# The real-size presets share the small preset's tokenizer (8,192 tokens, the Qwen2-VL special tokens last);
+# the embedding keeps the published row count.
+_REAL_TOKENIZER = dict(tokenizer_vocab_size=8192, corpus_words=20000, corpus_lines=60000)
+# Preprocessor bounds of Qwen2-VL-*/Qwen2.5-VL-* preprocessor_config.json (Qwen/Qwen2-VL-2B on the Hub:
+# "min_pixels": 3136, "max_pixels": 12845056; Qwen2.5-VL copies, e.g. mlx-community/Qwen2.5-VL-3B-Instruct-4bit,
+# say the same).
+_QWEN2_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
 
 
 PRESETS: dict[str, Preset] = {
@@ -115,6 +147,7 @@ PRESETS: dict[str, Preset] = {
     # Tests: the released models' head dim (128, 64 in the tower), M-RoPE sections and rope theta, with the
     # tiny preset's vocab (the same tokenizer) and few layers, so comparing it with transformers stays cheap.
     "wide": Preset(
+        family="qwen2_vl",
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=512,
@@ -136,6 +169,7 @@ PRESETS: dict[str, Preset] = {
     # The embedded demo model (trained by `vlmserve train-demo`): the tiny preset's tokenizer, a tower wide
     # and deep enough to read digits, a small decoder (five question phrasings need little language).
     "demo": Preset(
+        family="qwen2_vl",
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=768,
@@ -175,24 +209,112 @@ PRESETS: dict[str, Preset] = {
         corpus_words=20000,
         corpus_lines=60000,
     ),
+    # Qwen/Qwen2-VL-2B-Instruct config.json, read from verbatim copies that name it as _name_or_path
+    # (huggingface.co/onnx-community/Qwen2-VL-2B-Instruct and lightonai/MonoQwen2-VL-v0.1 config.json). Its
+    # vision_config only sets hidden_size 1536 (the merger's output); depth 32, embed_dim 1280, mlp_ratio 4,
+    # num_heads 16, patch 14, temporal patch 2 and merge 2 are Qwen2VLVisionConfig's defaults, which the
+    # checkpoint relies on (its 32-block, 1280-wide tower: model.safetensors.index.json of Qwen/Qwen2-VL-2B).
+    "qwen2-vl-2b": Preset(
+        family="qwen2_vl",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        mrope_section=(16, 24, 24),
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        max_window_layers=28,
+        sliding_window=32768,
+        tie_word_embeddings=True,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_heads=16,
+        vision_mlp_ratio=4,
+        dtype="bfloat16",
+        shard_size_bytes=REAL_SHARD_BYTES,
+        **_QWEN2_PIXELS,
+        **_REAL_TOKENIZER,
+    ),
+    # Qwen/Qwen2.5-VL-3B-Instruct config.json, read from verbatim copies: huggingface.co/huihui-ai/
+    # Qwen2.5-VL-3B-Instruct-abliterated config.json and github.com/sophgo/LLM-TPU models/Qwen2_5_VL/config/
+    # config.json (the latter edits max_position_embeddings to 8192; the Hub copies, also
+    # dahwinsingularity/vllm2 with _name_or_path Qwen/Qwen2.5-VL-3B-Instruct, say 128000).
+    "qwen2.5-vl-3b": Preset(
+        family="qwen2_5_vl",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_layers=36,
+        num_heads=16,
+        num_kv_heads=2,
+        mrope_section=(16, 24, 24),
+        rope_theta=1000000.0,
+        max_position_embeddings=128000,
+        max_window_layers=70,
+        sliding_window=32768,
+        tie_word_embeddings=True,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_heads=16,
+        vision_mlp_ratio=4,  # unused by Qwen2.5-VL: vision_intermediate_size is explicit
+        vision_intermediate_size=3420,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        dtype="bfloat16",
+        shard_size_bytes=REAL_SHARD_BYTES,
+        **_QWEN2_PIXELS,
+        **_REAL_TOKENIZER,
+    ),
+    # Qwen/Qwen2.5-VL-7B-Instruct config.json: the text half from huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct-AWQ
+    # config.json (_name_or_path Qwen/Qwen2.5-VL-7B-Instruct; the AWQ quantization leaves the shapes), the tower
+    # from full copies (huggingface.co/Icey444/Ground-R1_orig_1050 config.json: depth 32, hidden 1280,
+    # intermediate 3420, 16 heads, out 3584, window 112, full attention in blocks 7/15/23/31). NOTE: its
+    # vocab_size is 152,064, not Qwen2-VL-2B's 151,936, and its embedding is not tied.
+    "qwen2.5-vl-7b": Preset(
+        family="qwen2_5_vl",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        mrope_section=(16, 24, 24),
+        rope_theta=1000000.0,
+        max_position_embeddings=128000,
+        max_window_layers=28,
+        sliding_window=32768,
+        tie_word_embeddings=False,
+        vision_depth=32,
+        vision_embed_dim=1280,
+        vision_heads=16,
+        vision_mlp_ratio=4,  # unused by Qwen2.5-VL: vision_intermediate_size is explicit
+        vision_intermediate_size=3420,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        dtype="bfloat16",
+        shard_size_bytes=REAL_SHARD_BYTES,
+        **_QWEN2_PIXELS,
+        **_REAL_TOKENIZER,
+    ),
 }
 
 
 def token_ids(preset: str | Preset) -> dict[str, int]:
     """Ids of the special tokens: they follow the learned vocab, in Qwen2-VL's order."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    first = p.vocab_size - len(SPECIAL_TOKENS)
+    first = p.tokenizer_vocab - len(SPECIAL_TOKENS)
     return {tok: first + i for i, tok in enumerate(SPECIAL_TOKENS)}
 
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
-def build_config(preset: str | Preset, family: str = "qwen2_vl") -> dict:
+def build_config(preset: str | Preset, family: str | None = None) -> dict:
     """config.json in the original (flat, pre-v5) layout of the family's released checkpoints."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    family = resolve_family(p, family)
     ids = token_ids(p)
     head_dim = p.hidden_size // p.num_heads
     assert sum(p.mrope_section) * 2 == head_dim, "mrope_section must cover head_dim / 2"
@@ -212,14 +334,14 @@ def build_config(preset: str | Preset, family: str = "qwen2_vl") -> dict:
         "initializer_range": 0.02,
         "intermediate_size": p.intermediate_size,
         "max_position_embeddings": p.max_position_embeddings,
-        "max_window_layers": p.num_layers,
+        "max_window_layers": p.max_window_layers or p.num_layers,
         "num_attention_heads": p.num_heads,
         "num_hidden_layers": p.num_layers,
         "num_key_value_heads": p.num_kv_heads,
         "rms_norm_eps": 1e-6,
         "rope_theta": p.rope_theta,
-        "sliding_window": p.max_position_embeddings,
-        "tie_word_embeddings": False,
+        "sliding_window": p.sliding_window or p.max_position_embeddings,
+        "tie_word_embeddings": p.tie_word_embeddings,
         "torch_dtype": p.dtype,
         "use_cache": True,
         "use_sliding_window": False,
@@ -251,7 +373,8 @@ def _qwen2_5_vl_fields(p: Preset) -> dict:
         "vision_config": {
             "depth": p.vision_depth,
             "hidden_size": p.vision_embed_dim,
-            "intermediate_size": p.vision_embed_dim * p.vision_mlp_ratio // 2 + 8,
+            "intermediate_size": p.vision_intermediate_size
+            or p.vision_embed_dim * p.vision_mlp_ratio // 2 + 8,
             "num_heads": p.vision_heads,
             "in_chans": 3,
             "in_channels": 3,
@@ -260,11 +383,23 @@ def _qwen2_5_vl_fields(p: Preset) -> dict:
             "patch_size": 14,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
-            "window_size": 112,
-            "fullatt_block_indexes": list(range(half - 1, p.vision_depth, half)),
+            "window_size": p.window_size,
+            "fullatt_block_indexes": list(p.fullatt_block_indexes or range(half - 1, p.vision_depth, half)),
             "tokens_per_second": 2,
         },
     }
+
+
+def resolve_family(preset: str | Preset, family: str | None = None) -> str:
+    """The family to write: the preset's own (a published shape stands for one family), else ``family`` or
+    Qwen2-VL. A family that contradicts the preset's is an error."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
+    if p.family is not None and family not in (None, p.family):
+        name = preset if isinstance(preset, str) else "this"
+        raise ValueError(f"the {name} preset exists for family {p.family} only, not {family}")
+    return family or p.family or "qwen2_vl"
 
 
 def make_checkpoint(
@@ -272,16 +407,18 @@ def make_checkpoint(
     preset: str = "tiny",
     seed: int = 0,
     shard_size_bytes: int | None = None,
-    family: str = "qwen2_vl",
+    family: str | None = None,
 ) -> Path:
     """Write a complete checkpoint directory and return its path (created; our files overwritten).
 
     `shard_size_bytes` splits the weights into `model-0000i-of-0000n.safetensors` + index, as large
-    real checkpoints are stored.
+    real checkpoints are stored; None takes the preset's own (HF-like shards for the published shapes, one
+    file for the test presets). `family` defaults to the preset's, else Qwen2-VL.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
+    family = resolve_family(preset, family)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
@@ -289,7 +426,13 @@ def make_checkpoint(
 
     config = build_config(p, family)
     _write_json(out / "config.json", config)
-    _write_weights(out, init_weights(config, seed), shard_size_bytes)
+    write_weights(
+        out,
+        weight_specs(config),
+        functools.partial(init_tensor, config, seed),
+        getattr(torch, config["torch_dtype"]),
+        p.shard_size_bytes if shard_size_bytes is None else shard_size_bytes,
+    )
     _write_tokenizer(out, p)
     _write_json(out / "generation_config.json", generation_config(p))
     _write_json(out / "preprocessor_config.json", preprocessor_config(p, family))
@@ -353,8 +496,22 @@ def original_name(v5_name: str) -> str:
 
 
 def param_count(preset: str) -> int:
-    """Parameters of the preset's model, counted without materialising any weights."""
-    return sum(t.numel() for t in _hf_model_on_meta(build_config(preset)).state_dict().values())
+    """Parameters of the preset's model, counted without materialising any weights (a tied head once)."""
+    return sum(math.prod(shape) for _, shape in weight_specs(build_config(preset)))
+
+
+def weight_specs(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor the checkpoint stores, under the original names, in the order written.
+
+    The list is transformers' own model (built on the meta device from ``config``), so the writer cannot drift
+    from what transformers loads; a tied lm_head is not stored, as in the released tied checkpoints.
+    """
+    tied = config.get("tie_word_embeddings", False)
+    return [
+        (original_name(name), tuple(meta.shape))
+        for name, meta in _hf_model_on_meta(config).state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    ]
 
 
 def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -365,7 +522,9 @@ def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     sharp enough to depend on content and position, the merger's output is as loud as a token
     embedding (so images steer the text), and lm_head is wide (logit std ~8) so top-2 logits are
     rarely near-tied. Norm weights ~1 and biases are non-zero on purpose: an engine that forgets to
-    load one of them produces different tokens.
+    load one of them produces different tokens. Every sublayer reads a normed input and adds a bounded update,
+    so the residual stream grows additively with depth (about its square root), never geometrically: at the
+    published depths (28-36 layers) its rms stays at 5-7 in bf16 (tests/lm_engine/test_published_presets.py).
     """
     fan_in = math.prod(shape[1:])
     module, kind = name.rsplit(".", 2)[-2:]
@@ -384,48 +543,124 @@ def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     return 0.0, 1.0 / fan_in**0.5
 
 
-def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Original-named tensors; each drawn from its own generator so its values depend on (seed, name) only."""
-    dtype = getattr(torch, config["torch_dtype"])
-    specials = config["vocab_size"] - len(SPECIAL_TOKENS)
-    ends = {config["eos_token_id"], config["bos_token_id"]}
-    out: dict[str, torch.Tensor] = {}
-    for v5_name, meta in _hf_model_on_meta(config).state_dict().items():
-        name = original_name(v5_name)
-        shape = tuple(meta.shape)
-        mean, std = _init_spec(name, shape)
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
-        if name == "lm_head.weight":
-            # Markup tokens (image pads, box markers) are never predicted, as in a trained model;
-            # the two end tokens keep full scale so EOS stays possible but rare.
-            for i in range(specials, config["vocab_size"]):
-                if i not in ends:
-                    t[i] *= 0.1
-        out[name] = t.to(dtype).contiguous()
+def init_tensor(config: dict, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One original-named tensor, drawn from its own generator: its values depend on (seed, name) only."""
+    tied = config.get("tie_word_embeddings", False)
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    mean, std = _init_spec("lm_head.weight" if name == head else name, shape)
+    if tied and name in (head, "model.norm.weight"):
+        mean, std = tied_head_spec(name == head, mean, std)
+    rows = _quiet_rows(config, shape[0]) if name == head else None
+    return draw_tensor(seed, name, shape, mean, std, getattr(torch, config["torch_dtype"]), rows)
+
+
+# NOTE: a tied embedding is also the output projection, and each token's own row sits in the residual stream it
+# is scored against: drawn at lm_head's scale (logit std ~8) that self-score alone is worth ~1.5 logit stds and
+# greedy decoding repeats one token (seen on 28- and 36-layer scaled-down 2B/3B shapes). So the tied table is 4x
+# quieter and the final norm's gain 4x louder: the same logit scale, a 4x smaller self-score. The first layer
+# reads its input through RMSNorm, so the quieter rows lose nothing there.
+TIED_HEAD_GAIN = 4.0
+
+
+def tied_head_spec(is_table: bool, mean: float, std: float) -> tuple[float, float]:
+    """(mean, std) of a tied embedding table (``is_table``) or of the final norm in front of it."""
+    if is_table:
+        return mean, std / TIED_HEAD_GAIN
+    return mean * TIED_HEAD_GAIN, std * TIED_HEAD_GAIN
+
+
+def _quiet_rows(text_config: dict, n: int) -> torch.Tensor:
+    """Per-row scale of the output projection: markup tokens (image pads, box markers) and padding rows past the
+    tokenizer are never predicted, as in a trained model; the two end tokens keep full scale so EOS stays
+    possible but rare."""
+    scale = torch.ones(n)
+    scale[text_config["bos_token_id"] :] = 0.1  # NOTE: <|endoftext|> is the first special token
+    scale[[text_config["eos_token_id"], text_config["bos_token_id"]]] = 1.0
+    return scale
+
+
+# Larger tensors are drawn in row blocks of at most this many values, so drawing one needs its bf16 bytes plus
+# one float32 block (64 MiB), not a float32 copy of all of it (the 7B embedding would be 2.2 GB). Every test
+# preset's tensors are below it and keep their one-draw values.
+DRAW_BLOCK = 1 << 24
+
+
+def draw_tensor(
+    seed: int,
+    name: str,
+    shape: tuple[int, ...],
+    mean: float,
+    std: float,
+    dtype: torch.dtype,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """N(mean, std) values of ``shape`` from the generator seeded by (seed, name), scaled per row by
+    ``row_scale`` in float32, then cast to ``dtype``."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+    def block(rows: int, first: int) -> torch.Tensor:
+        t = torch.randn((rows, *shape[1:]), generator=gen, dtype=torch.float32).mul_(std).add_(mean)
+        if row_scale is not None:
+            t.mul_(row_scale[first : first + rows].view(-1, *[1] * (len(shape) - 1)))
+        return t.to(dtype)
+
+    if math.prod(shape) <= DRAW_BLOCK:
+        return block(shape[0], 0).reshape(shape).contiguous()
+    out = torch.empty(shape, dtype=dtype)
+    step = max(1, DRAW_BLOCK // math.prod(shape[1:]))
+    for first in range(0, shape[0], step):
+        rows = min(step, shape[0] - first)
+        out[first : first + rows] = block(rows, first)
     return out
 
 
-def _write_weights(out: Path, tensors: dict[str, torch.Tensor], shard_size_bytes: int | None) -> None:
+def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every stored tensor at once, by original name (for small models; the writer draws shard by shard)."""
+    return {name: init_tensor(config, seed, name, shape) for name, shape in weight_specs(config)}
+
+
+def plan_shards(
+    specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, shard_size_bytes: int | None
+) -> list[list[str]]:
+    """Tensor names per file, in order: one file, or consecutive runs of at most ``shard_size_bytes`` each
+    (a single larger tensor gets a file of its own), as save_pretrained splits."""
     if shard_size_bytes is None:
-        _save(tensors, out / "model.safetensors")
-        return
-    shards: list[dict[str, torch.Tensor]] = [{}]
+        return [[name for name, _ in specs]]
+    shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
         if shards[-1] and size + nbytes > shard_size_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(name)
         size += nbytes
+    return shards
+
+
+def write_weights(
+    out: Path,
+    specs: list[tuple[str, tuple[int, ...]]],
+    make: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dtype: torch.dtype,
+    shard_size_bytes: int | None,
+) -> None:
+    """Write ``model.safetensors``, or shards + ``model.safetensors.index.json`` as Hugging Face lays them out.
+
+    NOTE: shard by shard: a shard's tensors are drawn, saved and dropped before the next shard's are drawn, so
+    memory holds one shard (<= shard_size_bytes) plus one draw block, whatever the model's size."""
+    shards = plan_shards(specs, dtype, shard_size_bytes)
+    shapes = dict(specs)
+    if shard_size_bytes is None:
+        _save({name: make(name, shapes[name]) for name in shards[0]}, out / "model.safetensors")
+        return
     weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
+    for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _save(shard, out / fname)
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        _save({name: make(name, shapes[name]) for name in names}, out / fname)
+        weight_map.update(dict.fromkeys(names, fname))
+    total = sum(math.prod(shape) * dtype.itemsize for shape in shapes.values())
     _write_json(
         out / "model.safetensors.index.json",
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
@@ -512,7 +747,7 @@ def synthetic_corpus(n_words: int, n_lines: int, seed: int = 1234) -> list[str]:
 def train_tokenizer(preset: str | Preset):
     """Byte-level BPE with Qwen2's pre-tokenizer, trained on the synthetic corpus; specials appended."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    return _train_bpe(p.vocab_size, p.corpus_words, p.corpus_lines)
+    return _train_bpe(p.tokenizer_vocab, p.corpus_words, p.corpus_lines)
 
 
 @functools.cache
@@ -550,7 +785,7 @@ def _train_bpe(vocab_size: int, corpus_words: int, corpus_lines: int):
 
 
 def _write_tokenizer(out: Path, p: Preset) -> None:
-    text = _tokenizer_json(p.vocab_size, p.corpus_words, p.corpus_lines)
+    text = _tokenizer_json(p.tokenizer_vocab, p.corpus_words, p.corpus_lines)
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     model = json.loads(text)["model"]
     _write_json(out / "vocab.json", model["vocab"])
@@ -598,7 +833,7 @@ def main() -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--family", default="qwen2_vl", choices=FAMILIES)
+    ap.add_argument("--family", default=None, choices=FAMILIES, help="default: the preset's, else qwen2_vl")
     args = ap.parse_args()
     print(make_checkpoint(args.out_dir, args.preset, args.seed, family=args.family))
 

@@ -5,12 +5,14 @@ head_dim and interleaved M-RoPE, vision_config with patch 16, learned position e
 layers), weights under transformers' own names (``model.language_model.*``, ``model.visual.*``), the byte-level
 BPE tokenizer and special tokens of the Qwen2-VL generator, the Qwen3-VL chat template (no default system
 turn) and its image processor config (patch 16, mean/std 0.5). Same preset + seed gives identical files.
+Besides the test presets, the published Qwen3-VL-2B / 4B / 8B shapes.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +80,110 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def _published_text(**shape) -> base.Preset:
+    """A Qwen3-VL decoder's shape with the small preset's tokenizer, the published preprocessor bounds
+    (Qwen3-VL-*/preprocessor_config.json: size {"shortest_edge": 65536, "longest_edge": 16777216}, read from
+    copies such as huggingface.co/hfmaster/Qwen3-VL-2B and coder3101/Qwen3-VL-2B-Instruct-heretic) and HF-like
+    shards. Qwen3-VL's M-RoPE, head_dim and tower are the Qwen3-VL Preset's own fields."""
+    return base.Preset(
+        family="qwen3_vl",
+        vocab_size=151936,
+        mrope_section=(24, 20, 20),
+        rope_theta=5000000.0,
+        max_position_embeddings=262144,
+        # NOTE: Qwen2-VL's tower fields; Qwen3-VL's tower is described by the Qwen3-VL Preset.
+        vision_depth=0,
+        vision_embed_dim=0,
+        vision_heads=0,
+        vision_mlp_ratio=0,
+        dtype="bfloat16",
+        min_pixels=65536,
+        max_pixels=16777216,
+        shard_size_bytes=base.REAL_SHARD_BYTES,
+        tokenizer_vocab_size=8192,
+        corpus_words=20000,
+        corpus_lines=60000,
+        **shape,
+    )
+
+
+# Published shapes. Decoder: head_dim 128, interleaved M-RoPE sections (24, 20, 20), rope_theta 5,000,000,
+# max_position_embeddings 262,144, rms_norm_eps 1e-6, vocab_size 151,936 in the Qwen3-VL configs read. Tower:
+# patch 16, temporal patch 2, merge 2, 2,304 learned positions, gelu_pytorch_tanh.
+PRESETS |= {
+    # Qwen/Qwen3-VL-2B-Instruct: github.com/pytorch/torchtitan torchtitan/experiments/qwen3_vl/__init__.py
+    # ("2B" flavour: vocab 151936, dim 2048, 28 layers, tied embedding, 16 heads, 8 kv heads, head_dim 128,
+    # FFN 6144, theta 5e6, sections [24, 20, 20]; tower 1024 wide, FFN 4096, 24 blocks, 16 heads, out 2048,
+    # 2304 positions, deepstack [5, 11, 17]). NOTE: max_position_embeddings was not read from a copy of this
+    # checkpoint's config.json (torchtitan trains at 32768); 262,144 is the 4B and 8B configs' value.
+    "qwen3-vl-2b": Preset(
+        text=_published_text(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_layers=28,
+            num_heads=16,
+            num_kv_heads=8,
+            tie_word_embeddings=True,
+        ),
+        head_dim=128,
+        mrope_section=(24, 20, 20),
+        vision_depth=24,
+        vision_hidden=1024,
+        vision_heads=16,
+        vision_intermediate=4096,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(5, 11, 17),
+    ),
+    # Qwen/Qwen3-VL-4B-Instruct config.json: the text half from a copy uploaded as Qwen3-VL-4B-Instruct/config.json
+    # (huggingface.co/TechCarbasa/MyModels commit 400bbbf: 2560 wide, FFN 9728, 36 layers, 32 heads, 8 kv heads,
+    # head_dim 128, 262144 positions, interleaved M-RoPE); rope_theta, tying and the tower from the configs of
+    # fine-tunes of it (huggingface.co/amburger66/robometer-4b-lora-robotsmith-task03, chamber111/PVM-4B:
+    # theta 5e6, tie_word_embeddings true, tower 24 blocks x 1024, FFN 4096, 16 heads, out 2560, deepstack
+    # [5, 11, 17]). NOTE: vocab_size was not read from this checkpoint's own config (the fine-tune resized it to
+    # 151,674); 151,936 is the Qwen3-VL 2B/8B and Qwen3-4B value.
+    "qwen3-vl-4b": Preset(
+        text=_published_text(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            tie_word_embeddings=True,
+        ),
+        head_dim=128,
+        mrope_section=(24, 20, 20),
+        vision_depth=24,
+        vision_hidden=1024,
+        vision_heads=16,
+        vision_intermediate=4096,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(5, 11, 17),
+    ),
+    # Qwen/Qwen3-VL-8B-Instruct config.json, read from copies (huggingface.co/Steinate/Cortex config.json:
+    # 4096 wide, FFN 12288, 36 layers, 32 heads, 8 kv heads, head_dim 128, vocab 151936, untied, 262144
+    # positions, theta 5e6, deepstack [8, 16, 24]) and torchtitan's "8B" flavour (tower 27 blocks x 1152,
+    # FFN 4304, 16 heads, out 4096, 2304 positions).
+    "qwen3-vl-8b": Preset(
+        text=_published_text(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=36,
+            num_heads=32,
+            num_kv_heads=8,
+            tie_word_embeddings=False,
+        ),
+        head_dim=128,
+        mrope_section=(24, 20, 20),
+        vision_depth=27,
+        vision_hidden=1152,
+        vision_heads=16,
+        vision_intermediate=4304,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=(8, 16, 24),
+    ),
+}
+
+
 def build_config(preset: str | Preset) -> dict:
     p = PRESETS[preset] if isinstance(preset, str) else preset
     t, ids = p.text, base.token_ids(p.text)
@@ -89,7 +195,7 @@ def build_config(preset: str | Preset) -> dict:
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": t.tie_word_embeddings,
         "text_config": {
             "model_type": "qwen3_vl_text",
             "attention_bias": False,
@@ -135,7 +241,8 @@ def build_config(preset: str | Preset) -> dict:
 def make_checkpoint(
     out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_size_bytes: int | None = None
 ) -> Path:
-    """Write a complete Qwen3-VL checkpoint directory and return its path."""
+    """Write a complete Qwen3-VL checkpoint directory and return its path (``shard_size_bytes`` None: the
+    preset's own, HF-like shards for the published shapes)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
@@ -145,7 +252,13 @@ def make_checkpoint(
         stale.unlink(missing_ok=True)
     config = build_config(p)
     base._write_json(out / "config.json", config)
-    base._write_weights(out, init_weights(config, seed), shard_size_bytes)
+    base.write_weights(
+        out,
+        weight_specs(config),
+        functools.partial(init_tensor, config, seed),
+        getattr(torch, config["dtype"]),
+        p.text.shard_size_bytes if shard_size_bytes is None else shard_size_bytes,
+    )
     base._write_tokenizer(out, p.text)
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     base._write_json(out / "tokenizer_config.json", {**tok_cfg, "chat_template": CHAT_TEMPLATE})
@@ -191,7 +304,18 @@ def _hf_model_on_meta(config: dict) -> torch.nn.Module:
 
 
 def param_count(preset: str) -> int:
-    return sum(t.numel() for t in _hf_model_on_meta(build_config(preset)).state_dict().values())
+    return sum(math.prod(shape) for _, shape in weight_specs(build_config(preset)))
+
+
+def weight_specs(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every stored tensor, by transformers' own names, in the order written (a tied lm_head
+    is not stored)."""
+    tied = config.get("tie_word_embeddings", False)
+    return [
+        (name, tuple(meta.shape))
+        for name, meta in _hf_model_on_meta(config).state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    ]
 
 
 def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -212,22 +336,19 @@ def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     return base._init_spec(short, shape)
 
 
-def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """transformers-named tensors; each from its own generator so it depends on (seed, name) only."""
+def init_tensor(config: dict, seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One transformers-named tensor from its own generator: it depends on (seed, name) only. A tied embedding
+    is drawn as the output projection it also is (see the Qwen2-VL generator's TIED_HEAD_GAIN)."""
     text = config["text_config"]
-    dtype = getattr(torch, config["dtype"])
-    specials = text["vocab_size"] - len(base.SPECIAL_TOKENS)
-    ends = {text["eos_token_id"], text["bos_token_id"]}
-    out: dict[str, torch.Tensor] = {}
-    for name, meta in _hf_model_on_meta(config).state_dict().items():
-        shape = tuple(meta.shape)
-        mean, std = _init_spec(name, shape)
-        digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
-        if name == "lm_head.weight":
-            for i in range(specials, text["vocab_size"]):
-                if i not in ends:
-                    t[i] *= 0.1
-        out[name] = t.to(dtype).contiguous()
-    return out
+    tied = config.get("tie_word_embeddings")
+    head = "model.language_model.embed_tokens.weight" if tied else "lm_head.weight"
+    mean, std = _init_spec("lm_head.weight" if name == head else name, shape)
+    if tied and name in (head, "model.language_model.norm.weight"):
+        mean, std = base.tied_head_spec(name == head, mean, std)
+    rows = base._quiet_rows(text, shape[0]) if name == head else None
+    return base.draw_tensor(seed, name, shape, mean, std, getattr(torch, config["dtype"]), rows)
+
+
+def init_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Every stored tensor at once (for small models; the writer draws shard by shard)."""
+    return {name: init_tensor(config, seed, name, shape) for name, shape in weight_specs(config)}
