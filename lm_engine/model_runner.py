@@ -11,6 +11,7 @@ import torch
 from cache import EmbeddingKey
 from encoder.models import build_vision_tower
 from encoder.models.linear import pack_linears
+from encoder.models.weights import uninitialized
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
@@ -20,6 +21,15 @@ from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.step_inputs import build_step
 
 log = logging.getLogger("vlmserve.engine")
+
+
+# NOTE: on a CPU the worst-case step's compute is the start-up's longest part (35 s of 45 at the 2B shape:
+# 2,048 prompt tokens and a 4,096-patch image through 2.2B parameters). Its activations grow with its tokens
+# and the image's patches, so a step of at most this many of each stands for it, and its memory is scaled
+# up: linearly in the tokens, quadratically in the patches (an attention path may hold a patches × patches
+# score matrix), erring high. The KV pool takes a share of what is left (memory_utilization).
+_CPU_WARMUP_TOKENS = 256
+_CPU_WARMUP_PATCHES = 1024
 
 
 def _available_memory_bytes() -> int:
@@ -49,8 +59,9 @@ class ModelRunner:
         self.bind_thread = DeviceBinding(self.device)
         self.bind_thread()
         self._encoder_stream: torch.cuda.Stream | None = None
-        with torch.device(self.device):
-            self.model = build_decoder(cfg).to(dtype)
+        with torch.device(self.device), uninitialized(dtype):
+            self.model = build_decoder(cfg)
+        self.model.to(dtype)  # NOTE: what is not a parameter keeps its own dtype (see MRotaryEmbedding)
         self.model.load_weights(model_dir)
         self.model.eval()
         self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)
@@ -116,20 +127,29 @@ class ModelRunner:
         return int(blocks)
 
     def _warmup_peak(self, max_tokens: int, image_patches: int) -> int:
-        """Run the worst-case step (a full token budget + the largest image) and measure its extra memory."""
-        cuda = self.device.type == "cuda"
-        if cuda:
+        """Run the worst-case step (a full token budget + the largest image) and measure its extra memory. On a
+        CPU a scaled-down step stands for it (see ``_CPU_WARMUP_TOKENS``)."""
+        if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-        else:
-            base = peak_rss_bytes()
-        if image_patches:
-            self._warm_vision(image_patches)
-        self._warm_decoder(max_tokens)
-        if cuda:
+            if image_patches:
+                self._warm_vision(image_patches)
+            self._warm_decoder(max_tokens)
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - base
-        return max(0, peak_rss_bytes() - base)
+        base = peak_rss_bytes()
+        patches = min(image_patches, _CPU_WARMUP_PATCHES)
+        vision = 0.0
+        if patches:
+            self._warm_vision(patches)
+            vision = (peak_rss_bytes() - base) * (image_patches / patches) ** 2
+        tokens = min(max_tokens, _CPU_WARMUP_TOKENS)
+        before = peak_rss_bytes()
+        self._warm_decoder(tokens)
+        after = peak_rss_bytes()
+        # NOTE: a peak the tower's pass set and the decoder's did not pass bounds the decoder's from above.
+        decoder = (after - base if after > before else before - base) * (max_tokens / tokens)
+        return int(max(vision, decoder))
 
     def _warm_vision(self, image_patches: int) -> None:
         """The vision tower on one square image of about ``image_patches`` patches."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from encoder.models.base import VisionTower
 from encoder.models.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from encoder.models.qwen2_vl import Qwen2VisionTower, VisionConfig
 from encoder.models.qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
+from encoder.models.weights import uninitialized
 
 _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -51,7 +53,9 @@ def build_vision_tower(
     attention = attention or os.environ.get("VLMSERVE_VISION_ATTENTION") or "auto"
     tower_cls, config_cls = _TOWERS[family_of(config)]
     device = torch.device(device)
-    with torch.device(device):
+    # NOTE: with a checkpoint every parameter is loaded from it: none is drawn first (see ``uninitialized``).
+    build = uninitialized(dtype) if checkpoint is not None else contextlib.nullcontext()
+    with torch.device(device), build:
         tower = tower_cls(config_cls.from_config(config), attention=attention)
     tower.to(dtype)
     if checkpoint is not None:
