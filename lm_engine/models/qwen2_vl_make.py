@@ -120,6 +120,21 @@ _REAL_TOKENIZER = dict(tokenizer_vocab_size=8192, corpus_words=20000, corpus_lin
 # "min_pixels": 3136, "max_pixels": 12845056; Qwen2.5-VL copies, e.g. mlx-community/Qwen2.5-VL-3B-Instruct-4bit,
 # say the same).
 _QWEN2_PIXELS = dict(min_pixels=3136, max_pixels=12845056)
+# The tower of Qwen2.5-VL-3B and -7B (the same in both configs read; see each preset's sources), with what every
+# real-size Qwen2.5-VL preset shares.
+_QWEN25_TOWER = dict(
+    vision_depth=32,
+    vision_embed_dim=1280,
+    vision_heads=16,
+    vision_mlp_ratio=4,  # unused by Qwen2.5-VL: vision_intermediate_size is explicit
+    vision_intermediate_size=3420,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    dtype="bfloat16",
+    shard_size_bytes=REAL_SHARD_BYTES,
+    **_QWEN2_PIXELS,
+    **_REAL_TOKENIZER,
+)
 
 
 PRESETS: dict[str, Preset] = {
@@ -255,17 +270,7 @@ PRESETS: dict[str, Preset] = {
         max_window_layers=70,
         sliding_window=32768,
         tie_word_embeddings=True,
-        vision_depth=32,
-        vision_embed_dim=1280,
-        vision_heads=16,
-        vision_mlp_ratio=4,  # unused by Qwen2.5-VL: vision_intermediate_size is explicit
-        vision_intermediate_size=3420,
-        window_size=112,
-        fullatt_block_indexes=(7, 15, 23, 31),
-        dtype="bfloat16",
-        shard_size_bytes=REAL_SHARD_BYTES,
-        **_QWEN2_PIXELS,
-        **_REAL_TOKENIZER,
+        **_QWEN25_TOWER,
     ),
     # Qwen/Qwen2.5-VL-7B-Instruct config.json: the text half from huggingface.co/Qwen/Qwen2.5-VL-7B-Instruct-AWQ
     # config.json (_name_or_path Qwen/Qwen2.5-VL-7B-Instruct; the AWQ quantization leaves the shapes), the tower
@@ -286,17 +291,7 @@ PRESETS: dict[str, Preset] = {
         max_window_layers=28,
         sliding_window=32768,
         tie_word_embeddings=False,
-        vision_depth=32,
-        vision_embed_dim=1280,
-        vision_heads=16,
-        vision_mlp_ratio=4,  # unused by Qwen2.5-VL: vision_intermediate_size is explicit
-        vision_intermediate_size=3420,
-        window_size=112,
-        fullatt_block_indexes=(7, 15, 23, 31),
-        dtype="bfloat16",
-        shard_size_bytes=REAL_SHARD_BYTES,
-        **_QWEN2_PIXELS,
-        **_REAL_TOKENIZER,
+        **_QWEN25_TOWER,
     ),
 }
 

@@ -110,6 +110,18 @@ def _published_text(**shape) -> base.Preset:
 # Published shapes. Decoder: head_dim 128, interleaved M-RoPE sections (24, 20, 20), rope_theta 5,000,000,
 # max_position_embeddings 262,144, rms_norm_eps 1e-6, vocab_size 151,936 in the Qwen3-VL configs read. Tower:
 # patch 16, temporal patch 2, merge 2, 2,304 learned positions, gelu_pytorch_tanh.
+_DECODER_ROPE = {"head_dim": 128, "mrope_section": (24, 20, 20)}
+# The tower of the 2B and 4B checkpoints (the same in both configs read; see each preset's sources).
+_TOWER_2B_4B = {
+    **_DECODER_ROPE,
+    "vision_depth": 24,
+    "vision_hidden": 1024,
+    "vision_heads": 16,
+    "vision_intermediate": 4096,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": (5, 11, 17),
+}
+
 PRESETS |= {
     # Qwen/Qwen3-VL-2B-Instruct: github.com/pytorch/torchtitan torchtitan/experiments/qwen3_vl/__init__.py
     # ("2B" flavour: vocab 151936, dim 2048, 28 layers, tied embedding, 16 heads, 8 kv heads, head_dim 128,
@@ -125,14 +137,7 @@ PRESETS |= {
             num_kv_heads=8,
             tie_word_embeddings=True,
         ),
-        head_dim=128,
-        mrope_section=(24, 20, 20),
-        vision_depth=24,
-        vision_hidden=1024,
-        vision_heads=16,
-        vision_intermediate=4096,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=(5, 11, 17),
+        **_TOWER_2B_4B,
     ),
     # Qwen/Qwen3-VL-4B-Instruct config.json: the text half from a copy uploaded as Qwen3-VL-4B-Instruct/config.json
     # (huggingface.co/TechCarbasa/MyModels commit 400bbbf: 2560 wide, FFN 9728, 36 layers, 32 heads, 8 kv heads,
@@ -150,14 +155,7 @@ PRESETS |= {
             num_kv_heads=8,
             tie_word_embeddings=True,
         ),
-        head_dim=128,
-        mrope_section=(24, 20, 20),
-        vision_depth=24,
-        vision_hidden=1024,
-        vision_heads=16,
-        vision_intermediate=4096,
-        num_position_embeddings=2304,
-        deepstack_visual_indexes=(5, 11, 17),
+        **_TOWER_2B_4B,
     ),
     # Qwen/Qwen3-VL-8B-Instruct config.json, read from copies (huggingface.co/Steinate/Cortex config.json:
     # 4096 wide, FFN 12288, 36 layers, 32 heads, 8 kv heads, head_dim 128, vocab 151936, untied, 262144
@@ -172,8 +170,7 @@ PRESETS |= {
             num_kv_heads=8,
             tie_word_embeddings=False,
         ),
-        head_dim=128,
-        mrope_section=(24, 20, 20),
+        **_DECODER_ROPE,
         vision_depth=27,
         vision_hidden=1152,
         vision_heads=16,
