@@ -183,11 +183,6 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stop
 
     # -- the asyncio side ----------------------------------------------------------------------------------
-    def check_admission(self, num_tokens: int = 0, client_key: str = "") -> None:
-        """Raise EngineOverloaded if new work of ``num_tokens`` prompt tokens from ``client_key`` must be
-        refused; never waits on the engine thread."""
-        self.engine.admission.check(num_tokens, client_key)
-
     def admit(self, client_key: str = "") -> Ticket:
         """A place in the admission queue for a request whose prompt is not built yet (raises EngineOverloaded
         when it must be refused); never waits on the engine thread. Take it before any work on the request

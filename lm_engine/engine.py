@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingCache
-from cache.layout import EmbeddingLayout
 from encoder import VisionPipeline, vision_fingerprint
 from lm_engine.admission import Admission, EngineOverloaded, Ticket
 from lm_engine.block_manager import BlockManager
@@ -74,8 +73,7 @@ class LLMEngine:
         )
         workers = config.preprocess_workers
         self.preprocess_pool = PreprocessPool(workers) if workers > 0 else None
-        row_width = self.runner.vision.out_dim * (1 + self.runner.vision.levels)
-        self.vision = VisionPipeline(
+        self.vision = local = VisionPipeline(
             self.runner.encode_images,
             pp,
             merge_size=self.model_config.spatial_merge_size,
@@ -84,15 +82,15 @@ class LLMEngine:
             max_batch_patches=config.encoder_max_batch_patches,
             max_wait_s=config.encoder_max_wait_ms / 1000,
             is_fatal=is_fatal_device_error,
-            row_width=row_width,
+            row_width=self.runner.vision.out_dim * (1 + self.runner.vision.levels),
             dtype=self.runner.dtype,
         )
         if config.encoder_url or config.encoder_workers:
             from encoder.tier.client import connect
 
             self.vision = connect(config, self.vision, self.embedding_cache, self.processor.model_fingerprint)
-        layout = EmbeddingLayout(self.model_config.spatial_merge_size, row_width, self.runner.dtype)
-        self.images = EncodedImages(self.vision, self.runner.place, layout)
+        # NOTE: the layout the local pipeline checks cache entries against, whichever pipeline delivers.
+        self.images = EncodedImages(self.vision, self.runner.place, local.layout)
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
         self.requests: dict[str, RequestState] = {}

@@ -432,10 +432,10 @@ class EncoderServer:
         if not isinstance(rid, int) or isinstance(rid, bool):
             raise wire.ProtocolError(f"bad request id {rid!r}")
         key = wire.key_from_json(header.get("key"), self.settings.hash_algorithm)
-        if why := self._refusal(key, payload):
+        if refused := self._refusal(key, payload):
             with self._lock:
                 self.stats.refused_keys += 1
-            kind = "mismatch" if why.startswith("this encoder pool") else "key"
+            kind, why = refused
             conn.send({"op": "result", "id": rid, "error": why, "kind": kind})
             return
         max_pixels = header.get("max_pixels")
@@ -456,18 +456,18 @@ class EncoderServer:
             self._waits[key] = [(conn, rid)]
         self.pipeline.submit([EncodeJob(key, payload, max_pixels)])
 
-    def _refusal(self, key: EmbeddingKey, payload: bytes) -> str | None:
-        """Why this pool will not encode ``payload`` under ``key``, or None. The key is the engine's word;
-        what it names is recomputed here, or one engine could file its picture under another's image: the
+    def _refusal(self, key: EmbeddingKey, payload: bytes) -> tuple[str, str] | None:
+        """(kind, why) this pool will not encode ``payload`` under ``key``, or None. The key is the engine's
+        word; what it names is recomputed here, or one engine could file its picture under another's image: the
         image hash from the bytes, the grid by preprocessing (the pipeline refuses a grid that differs)."""
         if (
             key.model_fingerprint != self.fingerprint
             or key.preprocess_fingerprint != self.preprocess_config.fingerprint()
             or key.levels != self.workers.levels
         ):
-            return "this encoder pool serves other vision weights or preprocessing"
+            return "mismatch", "this encoder pool serves other vision weights or preprocessing"
         if image_hash(payload, key.hash_algorithm) != key.image_hash:
-            return "the image's bytes do not hash to the key's image_hash"
+            return "key", "the image's bytes do not hash to the key's image_hash"
         return None
 
     def _forget(self, conn: _Conn) -> None:
