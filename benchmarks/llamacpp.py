@@ -670,45 +670,16 @@ class LlamaServer:
         return self._proc.proc.pid
 
     def start(self) -> LlamaServer:
-        import httpx
-
-        sc = _serve_compare()
-        p = self._proc
-        p.log_path.parent.mkdir(parents=True, exist_ok=True)
-        p._log_f = open(p.log_path, "wb")  # noqa: SIM115 (closed by ServerProcess.stop)
         _log(f"starting: {' '.join(self.argv)}")
-        t0 = time.perf_counter()
-        p.proc = subprocess.Popen(
-            self.argv,
-            env=p.env,
-            stdin=subprocess.DEVNULL,
-            stdout=p._log_f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=sc._die_with_parent,
-        )
-        p.pgid = p.proc.pid
         try:
-            with httpx.Client(timeout=2.0, trust_env=False) as client:
-                while True:
-                    if p.proc.poll() is not None:
-                        raise PeerUnavailable(
-                            f"llama-server exited with {p.proc.returncode} during start-up; log {p.log_path}:\n"
-                            f"{p.log_tail()}"
-                        )
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(self.base_url + "/health").status_code == 200:
-                            break
-                    if time.perf_counter() - t0 > self.ready_timeout_s:
-                        raise PeerUnavailable(
-                            f"llama-server not ready after {self.ready_timeout_s:.0f} s; "
-                            f"log {p.log_path}:\n{p.log_tail()}"
-                        )
-                    time.sleep(0.05)
+            self._proc.start(timeout_s=self.ready_timeout_s, poll_s=0.05)
+        except RuntimeError as exc:  # it exited, or was not healthy in time
+            self.stop()
+            raise PeerUnavailable(f"llama-server: {exc}") from None
         except BaseException:
             self.stop()
             raise
-        self.startup_s = p.startup_s = time.perf_counter() - t0
+        self.startup_s = self._proc.startup_s
         _log(f"ready after {self.startup_s:.2f} s on {self.base_url} (pid {self.pid})")
         return self
 

@@ -209,7 +209,8 @@ class ServerProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 900.0) -> ServerProcess:
+    def start(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> ServerProcess:
+        """Start it and wait for its health check (every ``poll_s``: the start-up time is measured to that)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log_f = open(self.log_path, "wb")  # noqa: SIM115 (the child keeps it; closed in stop())
         self._log_f = log_f
@@ -241,7 +242,7 @@ class ServerProcess:
                     raise RuntimeError(
                         f"{self.name} not healthy after {timeout_s:.0f} s; log tail:\n{self.log_tail()}"
                     )
-                time.sleep(0.5)
+                time.sleep(poll_s)
         self.startup_s = time.perf_counter() - t0
         print(f"[{self.name}] healthy after {self.startup_s:.1f} s on {self.base_url}", file=sys.stderr)
         return self
