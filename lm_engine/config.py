@@ -126,9 +126,13 @@ def cpu_matmul_is_fast(dtype: torch.dtype) -> bool:
 
     oneDNN runs bfloat16 at several times the float32 rate where the CPU has AMX or AVX512-BF16 and
     emulates it far below the float32 rate where it has neither; a short timing says which without
-    guessing from CPU flags."""
+    guessing from CPU flags. The verdict is kept across processes per CPU and torch version
+    (preprocess/timing_cache.py)."""
     if dtype not in _FAST:
-        _FAST[dtype] = probe_matmul(dtype)
+        from preprocess.timing_cache import cached_probe  # here: the config module stays free of preprocess
+
+        args = {"dtype": str(dtype).removeprefix("torch."), "shape": list(PROBE_SHAPE)}
+        _FAST[dtype] = bool(cached_probe("matmul_is_fast", args, lambda: probe_matmul(dtype)))
     return _FAST[dtype]
 
 
