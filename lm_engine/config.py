@@ -30,8 +30,14 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # fixed pool size (tests); otherwise measured after warm-up
-    kv_cache_memory: int | None = None  # bytes for the KV pool; otherwise a share of free memory
-    memory_utilization: float = 0.5
+    kv_cache_memory: int | None = None  # bytes for the KV pool; otherwise from memory_utilization
+    # The share of the memory available at start (CPU: MemAvailable before any weight is read; CUDA: the device's
+    # total) that weights, warm-up activations, the server's own needs and the KV pool may take together
+    # (lm_engine/memory.py: kv_budget_bytes). NOTE: 0.9, vLLM's default for gpu_memory_utilization: on a CPU the
+    # other 10 % stays with the system and other processes, and absorbs the error of the kernel's estimate (the
+    # page cache it counts as available is not all reclaimable at once); a 16.6 GB 7B checkpoint then serves on a
+    # 24 GiB machine with a KV pool of a few GiB, where 0.5 would leave none.
+    memory_utilization: float = 0.9
     attention_backend: str = "auto"
     warmup_image_patches: int = 4096
     # Vision path
@@ -86,6 +92,10 @@ class EngineConfig:
             raise ValueError(
                 "visual_level pins the budget of a 'fixed' visual_budget; 'adaptive' moves it itself"
             )
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         from preprocess.hashing import check_algorithm  # here: the config module stays free of preprocess
