@@ -253,3 +253,13 @@ def test_the_engine_refuses_before_reading_any_weight(tiny_ckpt, monkeypatch):
         LLM(str(tiny_ckpt), dtype="float32", max_model_len=4096)
     with pytest.raises(NotEnoughMemory, match="lower --kv-cache-memory"):
         LLM(str(tiny_ckpt), kv_cache_memory=1 << 30)
+
+
+def test_serve_exits_with_one_line_when_the_model_cannot_fit(tiny_ckpt, capsys):
+    from api.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", str(tiny_ckpt), "--kv-cache-memory", "64TiB", "--preprocess-workers", "0"])
+    message = str(exit_.value.code)
+    assert message.startswith("vlmserve serve: not enough memory: ") and "\n" not in message
+    assert "lower --kv-cache-memory to" in message and "available" in message

@@ -46,3 +46,19 @@ def test_the_engine_logs_its_phases_and_keeps_them(tiny_ckpt, caplog):
     assert {"config", "probes", "load", "pack", "warm-up", "kv", "pools"} <= phases.keys()
     assert total == pytest.approx(sum(engine.startup_phases.values()), abs=0.05 + 0.05 * len(phases))
     llm.close()
+
+
+def test_metrics_export_the_phases_and_the_pool(tiny_ckpt):
+    from fastapi.testclient import TestClient
+
+    from api.config import ServerArgs
+    from api.server import create_app
+    from lm_engine.config import EngineConfig
+
+    args = ServerArgs(engine=EngineConfig(model=str(tiny_ckpt), num_kv_blocks=64))
+    with TestClient(create_app(args)) as client:
+        text = client.get("/metrics").text
+        engine = client.app.state.engine.engine
+    for phase in engine.startup_phases:
+        assert re.search(rf'^vlmserve_startup_seconds{{phase="{phase}"}} [0-9.e+-]+$', text, re.M), phase
+    assert f"vlmserve_kv_cache_bytes {float(engine.kv_cache_bytes)}" in text
