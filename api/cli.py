@@ -61,6 +61,29 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend", default=e("attention_backend"), choices=["auto", "torch", "cpu", "triton"]
     )
+    m = p.add_argument_group("memory and start-up")
+    m.add_argument(
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",  # vLLM's name
+        type=_size,
+        default=e("kv_cache_memory"),
+        metavar="SIZE",
+        help="KV pool size, e.g. 4GiB, 512MiB or bytes (default: from --memory-utilization)",
+    )
+    m.add_argument(
+        "--memory-utilization",
+        "--gpu-memory-utilization",  # vLLM's name
+        type=float,
+        default=e("memory_utilization"),
+        help="share of the memory available at start (CPU: before the weights load) that weights, activations, "
+        "the server's own needs and the KV pool may take together (default: %(default)s)",
+    )
+    m.add_argument(
+        "--remeasure-probes",
+        action="store_true",
+        help="time the start-up probes again instead of reading their cached results (~/.cache/vlmserve/"
+        "probes.json, or $VLMSERVE_CACHE_DIR); same as VLMSERVE_REMEASURE_PROBES=1",
+    )
     g = p.add_argument_group("vision path")
     g.add_argument(
         "--preprocess-workers",
@@ -94,8 +117,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _size(text: str) -> int:
+    from lm_engine.memory import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _process_settings(args: argparse.Namespace) -> None:
+    """What the engine flags ask of the whole process, its worker processes included (they read the environment)."""
+    from preprocess.timing_cache import REMEASURE_VARIABLE
+
+    if args.remeasure_probes:
+        os.environ[REMEASURE_VARIABLE] = "1"
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
+        kv_cache_memory=args.kv_cache_memory,
+        memory_utilization=args.memory_utilization,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
@@ -258,9 +300,14 @@ def _demo_conversations() -> list[tuple[list[dict], str | None]]:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Offline generation on the demo checkpoint: a text prompt and an image prompt, with timings."""
     from lm_engine import LLM, SamplingParams
+    from lm_engine.memory import NotEnoughMemory
 
+    _process_settings(args)
     t0 = time.perf_counter()
-    llm = LLM(args.model, **_engine_kwargs(args))
+    try:
+        llm = LLM(args.model, **_engine_kwargs(args))
+    except NotEnoughMemory as exc:
+        raise SystemExit(f"vlmserve demo: {exc}") from None
     print(f"engine ready in {time.perf_counter() - t0:.1f}s (model: {llm.engine.config.model})")
     convs = _demo_conversations()
     t0 = time.perf_counter()
@@ -527,9 +574,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
     from encoder.tier import command as encoder_tier
     from lm_engine.config import EngineConfig
-    from lm_engine.memory import bound_native_caches
+    from lm_engine.memory import NotEnoughMemory, bound_native_caches
+    from lm_engine.startup import StartupPhases, process_age_s
 
+    # The time from the process's start to here (the interpreter, torch's and the server's imports) is the
+    # first phase of the start-up the engine logs.
+    age = process_age_s() if args.command_line is not None else None
+    startup = StartupPhases(before={"imports": age} if age is not None else None)
     bound_native_caches()  # NOTE: before the engine runs its first matmul
+    _process_settings(args)
 
     model, names = _default_model(args)
     _check_visual_level(args, model)
@@ -561,7 +614,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         replica_name=args.replica_name,
     )
-    run_server(server_args)
+    try:
+        run_server(server_args, startup)
+    except NotEnoughMemory as exc:
+        raise SystemExit(f"vlmserve serve: {exc}") from None
     return 0
 
 
@@ -570,9 +626,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from api.batch import BatchOptions, run_batch
     from lm_engine.config import EngineConfig
     from lm_engine.engine import LLMEngine
-    from lm_engine.memory import bound_native_caches
+    from lm_engine.memory import NotEnoughMemory, bound_native_caches
 
     bound_native_caches()
+    _process_settings(args)
 
     if not os.path.isfile(args.input):
         print(f"vlmserve batch: no such input file: {args.input}", file=sys.stderr)
@@ -584,7 +641,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
         progress=not args.disable_progress_bar,
     )
     model, options.served_model_names = _default_model(args)
-    engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
+    try:
+        engine = LLMEngine(EngineConfig(model=model, **_engine_kwargs(args)))
+    except NotEnoughMemory as exc:
+        raise SystemExit(f"vlmserve batch: {exc}") from None
     try:
         summary = run_batch(engine, args.input, args.output, options)
     finally:

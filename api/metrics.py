@@ -84,6 +84,23 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(f"{_NS}_{name}", doc, value=float(value))
 
 
+class StartupCollector(Collector):
+    """How long each phase of the engine's start took (``LLMEngine.startup_phases``; fixed once it started)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = dict(phases)
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            f"{_NS}_startup_seconds",
+            "Seconds each start-up phase took (they add up to the whole start; probes: measuring what is not cached).",
+            labels=["phase"],
+        )
+        for phase, seconds in self.phases.items():
+            gauge.add_metric([phase], seconds)
+        yield gauge
+
+
 class _ProcessMemoryCollector(Collector):
     """This process's proportional set size (PSS: shared pages split between their sharers), which RSS
     overstates for a server sharing its libraries and shared memory with its preprocess workers."""

@@ -22,7 +22,7 @@ from api.chat import ChatService, visual_level_header
 from api.config import ServerArgs
 from api.errors import APIError, from_validation_error, install_error_handlers
 from api.media import MediaFetcher
-from api.metrics import ServerMetrics
+from api.metrics import ServerMetrics, StartupCollector
 from api.protocol import (
     BodyErrors,
     ChatCompletion,
@@ -36,6 +36,7 @@ from api.replica import ReplicaHeader
 from cache.metrics import EmbeddingCacheCollector
 from encoder.metrics import VisionPathCollector
 from lm_engine.engine import LLMEngine
+from lm_engine.startup import StartupPhases
 
 log = logging.getLogger("vlmserve.api")
 
@@ -110,6 +111,7 @@ class _Server:
         self.metrics = ServerMetrics(lambda: self.async_engine.stats)
         self.metrics.register(EmbeddingCacheCollector(engine.embedding_cache))  # its stats() is thread-safe
         self.metrics.register(VisionPathCollector(engine.vision, engine.preprocess_pool))
+        self.metrics.register(StartupCollector(engine.startup_phases))
         self.executor = ThreadPoolExecutor(
             max_workers=args.preprocess_threads, thread_name_prefix="vlmserve-prompt"
         )
@@ -265,14 +267,15 @@ def create_app(args: ServerArgs, engine: LLMEngine | None = None) -> FastAPI:
     return app
 
 
-def run_server(args: ServerArgs) -> None:
+def run_server(args: ServerArgs, startup: StartupPhases | None = None) -> None:
+    """Build the engine (``startup``: the phases timed before it) and serve until stopped."""
     import uvicorn
 
     from api.http_guard import guarded_protocol
 
     if not args.api_keys and args.host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
-    app = create_app(args)
+    app = create_app(args, LLMEngine(args.engine, startup=startup))
     log.info("serving %s as %r on http://%s:%d", args.engine.model, args.model_names[0], args.host, args.port)
     uvicorn.run(
         app,

@@ -30,8 +30,14 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # fixed pool size (tests); otherwise measured after warm-up
-    kv_cache_memory: int | None = None  # bytes for the KV pool; otherwise a share of free memory
-    memory_utilization: float = 0.5
+    kv_cache_memory: int | None = None  # bytes for the KV pool; otherwise from memory_utilization
+    # The share of the memory available at start (CPU: MemAvailable before any weight is read; CUDA: the device's
+    # total) that weights, warm-up activations, the server's own needs and the KV pool may take together
+    # (lm_engine/memory.py: kv_budget_bytes). NOTE: 0.9, vLLM's default for gpu_memory_utilization: on a CPU the
+    # other 10 % stays with the system and other processes, and absorbs the error of the kernel's estimate (the
+    # page cache it counts as available is not all reclaimable at once); a 16.6 GB 7B checkpoint then serves on a
+    # 24 GiB machine with a KV pool of a few GiB, where 0.5 would leave none.
+    memory_utilization: float = 0.9
     attention_backend: str = "auto"
     warmup_image_patches: int = 4096
     # Vision path
@@ -86,6 +92,10 @@ class EngineConfig:
             raise ValueError(
                 "visual_level pins the budget of a 'fixed' visual_budget; 'adaptive' moves it itself"
             )
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         from preprocess.hashing import check_algorithm  # here: the config module stays free of preprocess
@@ -126,9 +136,13 @@ def cpu_matmul_is_fast(dtype: torch.dtype) -> bool:
 
     oneDNN runs bfloat16 at several times the float32 rate where the CPU has AMX or AVX512-BF16 and
     emulates it far below the float32 rate where it has neither; a short timing says which without
-    guessing from CPU flags."""
+    guessing from CPU flags. The verdict is kept across processes per CPU and torch version
+    (preprocess/timing_cache.py)."""
     if dtype not in _FAST:
-        _FAST[dtype] = probe_matmul(dtype)
+        from preprocess.timing_cache import cached_probe  # here: the config module stays free of preprocess
+
+        args = {"dtype": str(dtype).removeprefix("torch."), "shape": list(PROBE_SHAPE)}
+        _FAST[dtype] = bool(cached_probe("matmul_is_fast", args, lambda: probe_matmul(dtype)))
     return _FAST[dtype]
 
 

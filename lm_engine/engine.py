@@ -17,6 +17,15 @@ from lm_engine.config import EngineConfig
 from lm_engine.device import is_fatal_device_error, to_device
 from lm_engine.images import EncodedImages
 from lm_engine.load import LoadControl
+from lm_engine.memory import (
+    MemoryPlan,
+    available_memory_bytes,
+    check_fit,
+    checkpoint_weight_bytes,
+    format_bytes,
+    kv_bytes_per_token,
+    runtime_reserve_bytes,
+)
 from lm_engine.model_runner import ModelRunner
 from lm_engine.models.registry import ModelConfig, load_model_config
 from lm_engine.output_processor import OutputProcessor, RequestState
@@ -26,6 +35,7 @@ from lm_engine.sampler import sample, token_logprobs
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from lm_engine.sequence import ImageItem, Sequence, SequenceStatus
+from lm_engine.startup import StartupPhases
 from lm_engine.visual_budget import default_ladder
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
 
@@ -33,11 +43,22 @@ log = logging.getLogger("vlmserve.engine")
 
 __all__ = ["EngineOverloaded", "LLMEngine"]
 
+_ASSUMED_AVAILABLE = 8 << 30  # where the system does not say (no /proc/meminfo)
+
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        startup: StartupPhases | None = None,
+    ) -> None:
         """``clock``: what arrival, first-token and step times are read from (and what the load controller's
-        dwell and measured rates are in); tests pass a clock they advance themselves."""
+        dwell and measured rates are in); tests pass a clock they advance themselves. ``startup``: the phases
+        timed so far (the server's imports), to which the engine's own are added."""
+        phases = startup or StartupPhases()
+        # NOTE: before any weight is read: the KV pool is a share of this, less what the weights take.
+        available = available_memory_bytes()
         self.config = config
         self.clock = clock
         path = Path(config.model)
@@ -48,7 +69,9 @@ class LLMEngine:
             path, self.model_config, self.preprocess_config, config.hash_algorithm
         )
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
-        self.runner = ModelRunner(path, self.model_config, config, self.dtype, max_model_len)
+        plan = _plan_memory(config, self.model_config, self.dtype, max_model_len, available)
+        phases.lap("config")
+        self.runner = ModelRunner(path, self.model_config, config, self.dtype, max_model_len, plan, phases)
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,
@@ -68,6 +91,7 @@ class LLMEngine:
         ladder = list(config.visual_ladder or default_ladder(pp.max_pixels, pp.min_pixels, pp.factor))
         self.load = LoadControl(config, ladder, self.scheduler, self.block_manager, self.admission, clock)
         self.processor.model_fingerprint = vision_fingerprint(self.runner.vision)
+        phases.lap("kv")
         self.embedding_cache = EmbeddingCache.create(
             config.embedding_cache_bytes, config.redis_url, prefix=config.redis_key_prefix
         )
@@ -85,16 +109,20 @@ class LLMEngine:
             row_width=self.runner.vision.out_dim * (1 + self.runner.vision.levels),
             dtype=self.runner.dtype,
         )
+        phases.lap("pools")
         if config.encoder_url or config.encoder_workers:
             from encoder.tier.client import connect
 
             self.vision = connect(config, self.vision, self.embedding_cache, self.processor.model_fingerprint)
+            phases.lap("encoder")
         # NOTE: the layout the local pipeline checks cache entries against, whichever pipeline delivers.
         self.images = EncodedImages(self.vision, self.runner.place, local.layout)
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
+        self.startup_phases = dict(phases.phases)  # phase → seconds; they add up to the whole start
+        log.info("%s", phases.line())
 
     # -- requests ------------------------------------------------------------------------------------------
     def process_chat(self, messages: list[dict] | ChatInput, cache_salt: str = "") -> PromptInputs:
@@ -419,6 +447,47 @@ def _raise_if_engine_fault(exc: Exception) -> None:
     """Re-raise what no request's inputs can cause: the device is unusable, or memory ran out."""
     if is_fatal_device_error(exc) or isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         raise exc
+
+
+def _plan_memory(
+    config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, max_model_len: int, available: int | None
+) -> MemoryPlan | None:
+    """What the KV pool is sized from on a CPU, once the checkpoint is known to fit (from its headers, before any
+    weight is read; NotEnoughMemory where it does not). None on an accelerator: its own memory is measured there."""
+    if not config.device.startswith("cpu"):
+        return None
+    if available is None:
+        available = _ASSUMED_AVAILABLE
+        log.warning("no /proc/meminfo: sizing memory as if %s were available", format_bytes(available))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    weights = checkpoint_weight_bytes(config.model, itemsize)
+    reserve = runtime_reserve_bytes(
+        config.embedding_cache_bytes, config.preprocess_workers, config.encoder_workers, weights.tower
+    )
+    per_token = kv_bytes_per_token(cfg, itemsize)
+    blocks = (max_model_len + config.block_size - 1) // config.block_size + 1
+    fixed, flag = config.kv_cache_memory, "--kv-cache-memory"
+    if config.num_kv_blocks is not None:
+        fixed, flag = config.num_kv_blocks * config.block_size * per_token, "--num-kv-blocks"
+    check_fit(
+        available=available,
+        weight_bytes=weights.total,
+        reserve=reserve,
+        kv_bytes_per_token=per_token,
+        max_model_len=max_model_len,
+        min_kv_bytes=blocks * config.block_size * per_token,
+        utilization=config.memory_utilization,
+        fixed_kv=fixed,
+        fixed_flag=flag,
+    )
+    log.info(
+        "memory: %s available at start, weights %s (vision tower %s), runtime reserve %s",
+        format_bytes(available),
+        format_bytes(weights.total),
+        format_bytes(weights.tower),
+        format_bytes(reserve),
+    )
+    return MemoryPlan(available, weights.total, reserve)
 
 
 def _compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:

@@ -15,9 +15,18 @@ from encoder.models.weights import uninitialized
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
-from lm_engine.memory import peak_rss_bytes
+from lm_engine.memory import (
+    MemoryPlan,
+    NotEnoughMemory,
+    available_memory_bytes,
+    format_bytes,
+    kv_budget_bytes,
+    kv_bytes_per_token,
+    peak_rss_bytes,
+)
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
+from lm_engine.startup import StartupPhases
 from lm_engine.step_inputs import build_step
 
 log = logging.getLogger("vlmserve.engine")
@@ -27,20 +36,9 @@ log = logging.getLogger("vlmserve.engine")
 # 2,048 prompt tokens and a 4,096-patch image through 2.2B parameters). Its activations grow with its tokens
 # and the image's patches, so a step of at most this many of each stands for it, and its memory is scaled
 # up: linearly in the tokens, quadratically in the patches (an attention path may hold a patches × patches
-# score matrix), erring high. The KV pool takes a share of what is left (memory_utilization).
+# score matrix), erring high. It comes out of the KV pool's share of memory (memory.kv_budget_bytes).
 _CPU_WARMUP_TOKENS = 256
 _CPU_WARMUP_PATCHES = 1024
-
-
-def _available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 class ModelRunner:
@@ -51,7 +49,13 @@ class ModelRunner:
         config: EngineConfig,
         dtype: torch.dtype,
         max_model_len: int,
+        memory: MemoryPlan | None = None,
+        phases: StartupPhases | None = None,
     ) -> None:
+        """``memory``: what a CPU's KV pool is sized from (the engine measures it before loading; without it, the
+        memory available now stands for it, weights included). ``phases``: where start-up laps are recorded."""
+        phases = phases or StartupPhases()
+        self.memory = memory
         self.cfg = cfg
         self.device = torch.device(config.device)
         self.dtype = dtype
@@ -65,12 +69,14 @@ class ModelRunner:
         self.model.load_weights(model_dir)
         self.model.eval()
         self.vision = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=self.device)
+        phases.lap("load")
         packed = pack_linears(self.model, pool="prefill") + pack_linears(self.vision, pool="vision")
         if packed:
             log.info("%d linear layers with weights packed (oneDNN's bfloat16 or our float32 kernel)", packed)
+        phases.lap("pack")
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
-        self.num_blocks = self._size_kv_pool(config, max_model_len)
+        self.num_blocks = self._size_kv_pool(config, max_model_len, phases)
         shape = (
             cfg.num_hidden_layers,
             2,
@@ -82,23 +88,25 @@ class ModelRunner:
         # NOTE: zeroed, not empty: padded decode gathers read unused slots, and 0·NaN would poison them.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
+        phases.lap("kv")
         self.backend.warmup(*self.kv_caches[0], cfg.num_attention_heads, max_model_len)
+        phases.lap("warm-up")
 
     # -- sizing ------------------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        c = self.cfg
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return c.num_hidden_layers * 2 * self.block_size * c.num_key_value_heads * c.head_dim * itemsize
+        return self.block_size * kv_bytes_per_token(self.cfg, itemsize)
 
     @torch.no_grad()
-    def _size_kv_pool(self, config: EngineConfig, max_model_len: int) -> int:
-        """Blocks for the KV pool: fixed by ``num_kv_blocks``, else what the memory left after the worst-case
-        warm-up holds (never more than ``max_num_seqs`` full-length sequences need)."""
+    def _size_kv_pool(self, config: EngineConfig, max_model_len: int, phases: StartupPhases) -> int:
+        """Blocks for the KV pool: fixed by ``num_kv_blocks``, else what its memory budget holds after the
+        worst-case warm-up (never more than ``max_num_seqs`` full-length sequences need)."""
         per_block = self.kv_bytes_per_block()
         useful = config.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size) + 1
         if config.num_kv_blocks is not None:
             return int(config.num_kv_blocks)
         peak = self._warmup_peak(config.max_num_batched_tokens, config.warmup_image_patches)
+        phases.lap("warm-up")
         utilization = config.memory_utilization
         if config.kv_cache_memory is not None:
             budget = int(config.kv_cache_memory)
@@ -108,14 +116,18 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * utilization) - (total - free) - peak
         else:
-            # CPU: a share of what the machine has left after weights and the warm-up's peak.
-            budget = min(int(_available_memory_bytes() * utilization) - peak, 4 << 30)
+            # NOTE: without a plan (a runner built on its own) the memory available now stands for the start's,
+            # the weights already out of it.
+            plan = self.memory or MemoryPlan(available_memory_bytes() or 8 << 30, 0, 0)
+            budget = kv_budget_bytes(plan.available, plan.weight_bytes, peak, utilization, plan.reserve)
         blocks = min(max(budget // per_block, 0), useful)
         min_blocks = (max_model_len + self.block_size - 1) // self.block_size + 1
         if blocks < min_blocks:
-            raise RuntimeError(
-                f"KV cache budget {budget / 2**20:.0f} MiB holds {blocks} blocks, fewer than one "
-                f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower --max-model-len"
+            raise NotEnoughMemory(
+                f"not enough memory: the KV cache's {format_bytes(max(budget, 0))} (after a warm-up peak of "
+                f"{format_bytes(peak)}) holds {blocks * self.block_size} tokens, fewer than one "
+                f"{max_model_len}-token sequence needs; lower --max-model-len, or raise --memory-utilization or "
+                "--kv-cache-memory"
             )
         log.info(
             "KV cache: %d blocks × %d tokens (%.1f MiB), warm-up peak %.1f MiB",

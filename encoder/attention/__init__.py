@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from encoder.attention import cpu_kernel
 from preprocess.native import best_times
+from preprocess.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.encoder")
 
@@ -126,9 +127,9 @@ def choose_attention(
     name: str, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
 ) -> VarlenAttention:
     """``torch``, ``cpu-kernel`` or ``auto``: on the CPU the fastest of torch and the kernel's variants (its
-    products on AMX tiles too, for bfloat16 where the CPU has them) on a 1024-patch image of this shape,
-    timed once per process (a few ms); the torch path where the kernel does not apply. ``cpu-kernel`` times
-    only the kernel's own variants."""
+    products on AMX tiles too, for bfloat16 where the CPU has them) on a 1024-patch image of this shape, timed
+    once per CPU and torch version (a few ms; preprocess/timing_cache.py); the torch path where the kernel does
+    not apply. ``cpu-kernel`` times only the kernel's own variants."""
     if name not in ("auto", "torch", "cpu-kernel"):
         raise ValueError(f"vision attention must be auto, torch or cpu-kernel, got {name!r}")
     lib = cpu_kernel.load() if device.type == "cpu" else None
@@ -147,7 +148,16 @@ def choose_attention(
         return candidates[0]
     key = (name, dtype, heads, head_dim)
     if key not in _CHOICE:
-        _CHOICE[key] = _fastest(candidates, dtype, heads, head_dim)
+        args = {
+            "candidates": [impl.name for impl in candidates],
+            "dtype": str(dtype).removeprefix("torch."),
+            "heads": heads,
+            "head_dim": head_dim,
+            "lib": library_tag(lib),
+        }
+        _CHOICE[key] = cached_probe(
+            "vision_attention", args, lambda: _fastest(candidates, dtype, heads, head_dim)
+        )
     return next(impl for impl in candidates if impl.name == _CHOICE[key])
 
 

@@ -13,6 +13,7 @@ from encoder.attention import cpu_kernel as vision_kernel
 from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionBackend, context_kv
 from preprocess.native import best_times
+from preprocess.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -136,13 +137,18 @@ class CpuBackend(TorchBackend):
 
     def prefill_choice(self, q: torch.Tensor, k: torch.Tensor) -> str:
         """What runs this prefill: ``sdpa`` where the causal kernel does not apply, else the fastest of SDPA, the
-        kernel and its AMX variant, timed once per shape (at start-up: see :meth:`warmup`; where AMX runs torch's
-        attention, the vdpbf16ps kernel may not beat it)."""
+        kernel and its AMX variant, timed once per shape, CPU and torch version (at start-up: see :meth:`warmup`;
+        kept in preprocess/timing_cache.py; where AMX runs torch's attention, the vdpbf16ps kernel may not beat
+        it)."""
         if not vision_kernel.causal_supported(self.prefill_lib, q):
             return "sdpa"
         shape = (q.shape[1], k.shape[1], q.shape[2])
         if shape not in self.causal_choice:
-            self.causal_choice[shape] = fastest_prefill(self.prefill_lib, *shape)
+            lib = self.prefill_lib
+            args = {"heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2], "lib": library_tag(lib)}
+            self.causal_choice[shape] = cached_probe(
+                "causal_prefill", args, lambda: fastest_prefill(lib, *shape)
+            )
         return self.causal_choice[shape]
 
 
