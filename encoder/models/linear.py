@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from encoder.attention import cpu_kernel
 from preprocess.native import best_times, switched_off
+from preprocess.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.linear")
 
@@ -145,6 +146,12 @@ def kernel_linear_lib(weight: torch.Tensor):
 
 @functools.cache
 def kernel_linear_is_faster(rounds: int = 5) -> bool:
+    """Timed once per machine and library build (the start-up probe cache), see :func:`_time_kernel_linear`."""
+    lib = cpu_kernel.load()
+    return bool(cached_probe("kernel_linear", {"lib": library_tag(lib)}, lambda: _time_kernel_linear(rounds)))
+
+
+def _time_kernel_linear(rounds: int) -> bool:
     """:class:`KernelLinear` against ``F.linear`` (float32), 768 → 1024, at 16 rows (a decode step) and at 1,024
     (a prefill chunk, a tower's pass), timed once per process (best of ``rounds``, alternating; a few tens of
     milliseconds): faster on balance, the geometric mean of the two time ratios under 1.
@@ -191,6 +198,12 @@ def packing_applies(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def packed_is_faster(rows: int = 32, width: int = 1024, rounds: int = 5) -> bool:
+    """Timed once per machine (the start-up probe cache), see :func:`_time_packed_linear`."""
+    args = {"rows": rows, "width": width}
+    return bool(cached_probe("packed_linear", args, lambda: _time_packed_linear(rows, width, rounds)))
+
+
+def _time_packed_linear(rows: int, width: int, rounds: int) -> bool:
     """A packed bfloat16 linear against ``F.linear`` on ``rows`` × ``width`` → ``width``, timed once per process
     (best of ``rounds``, alternating; well under a millisecond a call where bfloat16 is native)."""
     x = torch.randn(rows, width).to(torch.bfloat16)
