@@ -443,7 +443,9 @@ class Stream:
 
     @property
     def prompt_tokens(self) -> int | None:
-        return (self.usage or {}).get("prompt_tokens")
+        if self.usage and isinstance(self.usage.get("prompt_tokens"), int):
+            return self.usage["prompt_tokens"]
+        return (self.timings or {}).get("prompt_n")  # llama-server's count, where it sent no usage
 
     def token_gaps_s(self) -> list[float]:
         """One gap per token after the first event: an event that carried n tokens gives n gaps of 1/n its
@@ -470,9 +472,11 @@ class Stream:
             self.events.append((t, n))
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, timeout_s: float) -> Stream:
-    """POST one streaming request and time its events; never raises for a server fault."""
-    rec = Stream()
+async def stream_chat(
+    client: httpx.AsyncClient, url: str, body: dict, timeout_s: float, rec: Stream | None = None
+) -> Stream:
+    """POST one streaming request and time its events into ``rec``; never raises for a server fault."""
+    rec = rec if rec is not None else Stream()
     t0 = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s), client.stream("POST", url, json=body) as resp:
@@ -520,14 +524,30 @@ class Server:
             **self.extra,
         }
 
-    async def run(self, bodies: list[dict]) -> tuple[list[Stream], float]:
-        """All ``bodies`` at once; their streams and the wall time until the last ended."""
+    async def run(self, bodies: list[dict], report_every_s: float = 15.0) -> tuple[list[Stream], float]:
+        """All ``bodies`` at once; their streams and the wall time until the last ended. A run longer than
+        ``report_every_s`` says how far it got, every ``report_every_s``."""
         url = self.base_url + "/v1/chat/completions"
+        recs = [Stream() for _ in bodies]
+
+        async def report() -> None:
+            while True:
+                await asyncio.sleep(report_every_s)
+                done = sum(r.e2e_s is not None for r in recs)
+                tokens = sum(n for r in recs for _, n in r.events)
+                progress(f"{self.name}:   {done}/{len(recs)} requests done, {tokens} tokens streamed so far")
+
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(bodies))
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits, trust_env=False) as client:
+            reporter = asyncio.create_task(report())
             t0 = time.perf_counter()
-            streams = await asyncio.gather(*(stream_chat(client, url, b, self.timeout_s) for b in bodies))
-            return list(streams), time.perf_counter() - t0
+            try:
+                await asyncio.gather(
+                    *(stream_chat(client, url, b, self.timeout_s, r) for b, r in zip(bodies, recs))
+                )
+            finally:
+                reporter.cancel()
+            return recs, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- prompts and images
@@ -731,7 +751,7 @@ def run_llamacpp(model_dir: Path, args, stamp: str) -> dict:
     res: dict = {}
     try:
         progress("llama.cpp: build (cached after the first time) and conversion to a bf16 GGUF")
-        bin_dir = llamacpp.ensure_built(jobs=1 if args.quick else None)
+        bin_dir = llamacpp.ensure_built()
         gguf, mmproj = llamacpp.convert(model_dir, outtype="bf16")
     except (llamacpp.PeerUnavailable, OSError) as exc:
         progress(f"llama.cpp skipped: {exc}")
@@ -907,7 +927,7 @@ def measure_tower(model_dir: Path, args, flags: Sequence[str], weights: dict) ->
         except Exception as exc:
             row["tower"] = {"error": f"{type(exc).__name__}: {exc}"}
         gc.collect()  # the tower's weights go before the decoder's come
-        # NOTE: the packed copy sits beside the loaded weights while packing: about twice the decoder's size.
+        # NOTE: pack_linears holds every plain weight until all are packed: a peak of twice the decoder.
         need = 2 * weights["decoder_params"] * dtype.itemsize
         avail = meminfo().get("MemAvailable", 0)
         if need > 0.8 * avail:
@@ -1007,9 +1027,7 @@ def summary_table(result: dict) -> str:
             f"(before {_fmt(fl.get('ms_before'), '.1f')}, after {_fmt(fl.get('ms_after'), '.1f')})"
         )
     peer_name = (
-        "llama.cpp"
-        if peer and "skipped" not in peer
-        else f"llama.cpp ({peer.get('skipped', 'not run')[:60]})"
+        "llama.cpp" if peer and "skipped" not in peer else "llama.cpp: " + ("skipped" if peer else "none")
     )
     head = f"| {'':34} | {'vlmserve':>14} | {peer_name[:40]:>14} | {'ratio':>8} |"
     lines += ["", head, "|" + "-" * (len(head) - 2) + "|"]
@@ -1107,6 +1125,8 @@ def summary_table(result: dict) -> str:
     for name, x in (("vlmserve", vl), ("llama.cpp", peer)):
         if x.get("error"):
             lines.append(f"{name} error: {x['error'][:300]}")
+        if x.get("skipped"):
+            lines.append(f"{name} skipped: {x['skipped'][:300]}")
     for dtype, t in (result.get("tower") or {}).items():
         if t.get("skipped"):
             lines.append(f"in-process {dtype}: skipped ({t['skipped']})")
