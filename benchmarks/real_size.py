@@ -242,6 +242,7 @@ def measure_machine(model_dir: Path, flags: Sequence[str], quick: bool) -> dict:
         "matmul_gflops": matmul,
         "torch_threads": torch.get_num_threads(),
         "mem_available": meminfo().get("MemAvailable"),
+        "loadavg_1m": os.getloadavg()[0],
     }
 
 
@@ -603,6 +604,8 @@ def _errors(streams: Sequence[Stream]) -> list[str]:
 
 
 def decode_summary(streams: Sequence[Stream], wall_s: float) -> dict:
+    """ms per token: ``mean`` is each stream's decode time over its tokens (what a reply takes), the headline;
+    p50/p90 are of the per-token gaps, which a server that sends tokens in bursts pulls towards 0."""
     gaps = [g for s in streams if s.ok for g in s.token_gaps_s()]
     return {
         "streams": len(streams),
@@ -626,6 +629,9 @@ def decode_summary(streams: Sequence[Stream], wall_s: float) -> dict:
             50,
         ),
         "errors": _errors(streams)[:3],
+        "events": [
+            [(round(t, 5), n) for t, n in s.events] for s in streams
+        ],  # (s from send, tokens) per stream
     }
 
 
@@ -655,7 +661,7 @@ async def drive(
             streams, wall = await srv.run(bodies)
             rows[str(k)] = decode_summary(streams, wall)
             progress(
-                f"{srv.name}: {k} streams, {_fmt(rows[str(k)]['ms_per_token_p50'], '.1f')} ms/token p50, "
+                f"{srv.name}: {k} streams, {_fmt(rows[str(k)]['ms_per_token_mean'], '.1f')} ms/token, "
                 f"{wall:.1f} s"
             )
         out["decode"] = rows
@@ -712,8 +718,11 @@ def _model_id(base_url: str) -> str:
 def measure(name: str, pid: int, srv: Server, model_dir: Path, args, vision: bool) -> dict:
     """``drive`` with the server's memory read: after warm-up, after the load, and its peak meanwhile."""
     rss: dict = {}
-    with RssSampler(pid) as sampler:
+    # NOTE: the servers run in their own process groups (pgid = pid); what other processes took of the CPUs
+    # meanwhile is recorded, since llama.cpp's spinning threads slow down many-fold beside a busy process.
+    with RssSampler(pid) as sampler, sc.CpuMeter(pgid=pid) as meter:
         rows = asyncio.run(drive(srv, model_dir, args, vision, lambda: rss.update(tree_rss(pid))))
+    rows["cpu"] = meter.result
     rows["rss_after_warmup"] = rss
     rows["rss_after_load"] = tree_rss(pid)
     rows["rss_peak_bytes"] = sampler.peak
@@ -972,12 +981,12 @@ def ratios(result: dict) -> dict:
     vl, peer = result.get("vlmserve") or {}, result.get("llamacpp") or {}
     floor = _get(result, "floor", "ms_best")
     out = {
-        "decode_1_vs_floor": _ratio(_get(vl, "decode", "1", "ms_per_token_p50"), floor),
-        "peer_decode_1_vs_floor": _ratio(_get(peer, "decode", "1", "ms_per_token_p50"), floor),
+        "decode_1_vs_floor": _ratio(_get(vl, "decode", "1", "ms_per_token_mean"), floor),
+        "peer_decode_1_vs_floor": _ratio(_get(peer, "decode", "1", "ms_per_token_mean"), floor),
     }
     for k in _get(vl, "decode") or {}:
         out[f"decode_{k}_vs_peer"] = _ratio(
-            _get(vl, "decode", k, "ms_per_token_p50"), _get(peer, "decode", k, "ms_per_token_p50")
+            _get(vl, "decode", k, "ms_per_token_mean"), _get(peer, "decode", k, "ms_per_token_mean")
         )
     out["prefill_tokens_per_s_vs_peer"] = _ratio(
         _get(vl, "prefill", "tokens_per_s"), _get(peer, "prefill", "tokens_per_s")
@@ -1036,11 +1045,27 @@ def summary_table(result: dict) -> str:
         lines.append(f"| {label:34} | {_fmt(a, spec):>14} | {_fmt(b, spec):>14} | {_fmt(ratio, '.2f'):>8} |")
 
     row("ready (spawn → /health 200), s", vl.get("ready_s"), peer.get("ready_s"), r.get("ready_vs_peer"))
+    row(
+        "others' share of the CPUs meanwhile, %",
+        (_get(vl, "cpu", "others_share") or 0) * 100 if vl.get("cpu") else None,
+        (_get(peer, "cpu", "others_share") or 0) * 100 if peer.get("cpu") else None,
+        None,
+        ".0f",
+    )
     st = vl.get("startup")
     for k in sorted((vl.get("decode") or {}), key=int):
-        a, b = _get(vl, "decode", k, "ms_per_token_p50"), _get(peer, "decode", k, "ms_per_token_p50")
-        row(f"decode {k} stream(s), ms/token p50", a, b, r.get(f"decode_{k}_vs_peer"))
-        row("  p90", _get(vl, "decode", k, "ms_per_token_p90"), _get(peer, "decode", k, "ms_per_token_p90"))
+        a, b = _get(vl, "decode", k, "ms_per_token_mean"), _get(peer, "decode", k, "ms_per_token_mean")
+        row(f"decode {k} stream(s), ms/token", a, b, r.get(f"decode_{k}_vs_peer"))
+        row(
+            "  gap p50",
+            _get(vl, "decode", k, "ms_per_token_p50"),
+            _get(peer, "decode", k, "ms_per_token_p50"),
+        )
+        row(
+            "  gap p90",
+            _get(vl, "decode", k, "ms_per_token_p90"),
+            _get(peer, "decode", k, "ms_per_token_p90"),
+        )
         row(
             "  aggregate tokens/s",
             _get(vl, "decode", k, "aggregate_tokens_per_s"),
