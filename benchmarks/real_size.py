@@ -605,7 +605,8 @@ def _errors(streams: Sequence[Stream]) -> list[str]:
 
 def decode_summary(streams: Sequence[Stream], wall_s: float) -> dict:
     """ms per token: ``mean`` is each stream's decode time over its tokens (what a reply takes), the headline;
-    p50/p90 are of the per-token gaps, which a server that sends tokens in bursts pulls towards 0."""
+    p50/p90 are of the per-token gaps, which a server that sends tokens in bursts pulls towards 0; ``e2e`` is
+    request time over tokens, TTFT included: an upper bound that bursts cannot hide."""
     gaps = [g for s in streams if s.ok for g in s.token_gaps_s()]
     return {
         "streams": len(streams),
@@ -613,6 +614,11 @@ def decode_summary(streams: Sequence[Stream], wall_s: float) -> dict:
         "ms_per_token_p50": _pct(gaps, 50, 1e3),
         "ms_per_token_p90": _pct(gaps, 90, 1e3),
         "ms_per_token_mean": float(np.mean(gaps) * 1e3) if gaps else None,
+        "ms_per_token_e2e": (
+            sum(s.e2e_s for s in streams if s.ok) / sum(s.tokens for s in streams if s.ok) * 1e3
+            if any(s.ok and s.tokens for s in streams)
+            else None
+        ),
         "tokens": sum(s.tokens for s in streams if s.ok),
         "tokens_per_event": (
             sum(n for s in streams for _, n in s.events) / max(1, sum(len(s.events) for s in streams))
@@ -1046,7 +1052,7 @@ def summary_table(result: dict) -> str:
 
     row("ready (spawn → /health 200), s", vl.get("ready_s"), peer.get("ready_s"), r.get("ready_vs_peer"))
     row(
-        "others' share of the CPUs meanwhile, %",
+        "others' CPU share meanwhile, %",
         (_get(vl, "cpu", "others_share") or 0) * 100 if vl.get("cpu") else None,
         (_get(peer, "cpu", "others_share") or 0) * 100 if peer.get("cpu") else None,
         None,
@@ -1065,6 +1071,11 @@ def summary_table(result: dict) -> str:
             "  gap p90",
             _get(vl, "decode", k, "ms_per_token_p90"),
             _get(peer, "decode", k, "ms_per_token_p90"),
+        )
+        row(
+            "  e2e ÷ tokens (TTFT in)",
+            _get(vl, "decode", k, "ms_per_token_e2e"),
+            _get(peer, "decode", k, "ms_per_token_e2e"),
         )
         row(
             "  aggregate tokens/s",
