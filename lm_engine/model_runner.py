@@ -23,6 +23,7 @@ from lm_engine.memory import (
     kv_budget_bytes,
     kv_bytes_per_token,
     peak_rss_bytes,
+    zeroed_pool,
 )
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -86,7 +87,7 @@ class ModelRunner:
             cfg.head_dim,
         )
         # NOTE: zeroed, not empty: padded decode gathers read unused slots, and 0·NaN would poison them.
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_cache = zeroed_pool(shape, dtype, self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_hidden_layers)]
         phases.lap("kv")
         self.backend.warmup(*self.kv_caches[0], cfg.num_attention_heads, max_model_len)
