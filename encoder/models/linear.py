@@ -232,12 +232,17 @@ def pack_linears(module: nn.Module, pool: str = "vision") -> int:
         if type(child) is nn.Linear
     ]
     swapped = 0
-    for parent, name, child in found:
+    # NOTE: popped, not iterated: the list must not keep a swapped layer's plain weight alive, or packing a
+    # model holds every weight twice at its end (a 7B decoder's 14 GB twice did not fit a 24 GiB machine).
+    found.reverse()
+    while found:
+        parent, name, child = found.pop()
         if packing_applies(child.weight):
             setattr(parent, name, PackedLinear(child))
         elif (lib := kernel_linear_lib(child.weight)) is not None:
             setattr(parent, name, KernelLinear(child, lib, pool))
         else:
             continue
+        del child
         swapped += 1
     return swapped

@@ -337,3 +337,29 @@ def test_kernel_works_in_a_forked_child():
     finally:
         proc.kill()
         proc.join()
+
+
+def test_packing_frees_each_plain_weight_as_it_goes(monkeypatch):
+    """When a layer is packed, the layers packed before it hold no plain weight any more: packing a model
+    needs one layer's extra memory, not the model's (a 7B decoder's 14 GB held twice did not fit 24 GiB)."""
+    import gc
+    import weakref
+
+    weights: list[weakref.ref] = []
+    alive_at_each_swap: list[int] = []
+
+    class Copy(nn.Module):  # stands for PackedLinear: a copy of the weight in another layout
+        def __init__(self, linear: nn.Linear) -> None:
+            super().__init__()
+            gc.collect()
+            alive_at_each_swap.append(sum(w() is not None for w in weights))
+            self.packed = linear.weight.detach().clone()
+
+    monkeypatch.setattr(packing, "packing_applies", lambda weight: True)
+    monkeypatch.setattr(packing, "PackedLinear", Copy)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 4))
+    weights += [weakref.ref(m.weight) for m in model.modules() if isinstance(m, nn.Linear)]
+    assert pack_linears(model) == 3
+    # the layer being packed and those not reached yet are alive; none packed before
+    assert alive_at_each_swap == [3, 2, 1]
+    assert sum(isinstance(m, Copy) for m in model.modules()) == 3
