@@ -322,15 +322,8 @@ def floor_ms(floor_bytes: int, gbs: float | None) -> float | None:
 
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # after the command name, which may hold spaces
-        kids.setdefault(ppid, []).append(int(entry.name))
+    for pid, fields in sc.proc_stats():
+        kids.setdefault(int(fields[1]), []).append(pid)
     return kids
 
 
@@ -1062,26 +1055,13 @@ def summary_table(result: dict) -> str:
     for k in sorted((vl.get("decode") or {}), key=int):
         a, b = _get(vl, "decode", k, "ms_per_token_mean"), _get(peer, "decode", k, "ms_per_token_mean")
         row(f"decode {k} stream(s), ms/token", a, b, r.get(f"decode_{k}_vs_peer"))
-        row(
-            "  gap p50",
-            _get(vl, "decode", k, "ms_per_token_p50"),
-            _get(peer, "decode", k, "ms_per_token_p50"),
-        )
-        row(
-            "  gap p90",
-            _get(vl, "decode", k, "ms_per_token_p90"),
-            _get(peer, "decode", k, "ms_per_token_p90"),
-        )
-        row(
-            "  e2e ÷ tokens (TTFT in)",
-            _get(vl, "decode", k, "ms_per_token_e2e"),
-            _get(peer, "decode", k, "ms_per_token_e2e"),
-        )
-        row(
-            "  aggregate tokens/s",
-            _get(vl, "decode", k, "aggregate_tokens_per_s"),
-            _get(peer, "decode", k, "aggregate_tokens_per_s"),
-        )
+        for label, key in (
+            ("  gap p50", "ms_per_token_p50"),
+            ("  gap p90", "ms_per_token_p90"),
+            ("  e2e ÷ tokens (TTFT in)", "ms_per_token_e2e"),
+            ("  aggregate tokens/s", "aggregate_tokens_per_s"),
+        ):
+            row(label, _get(vl, "decode", k, key), _get(peer, "decode", k, key))
     if "1" in (vl.get("decode") or {}):
         row(
             "decode 1 stream ÷ floor",

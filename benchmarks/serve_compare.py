@@ -88,11 +88,9 @@ def _cpu_busy_total() -> tuple[float, float]:
     return (sum(vals) - idle) / _clk(), sum(vals) / _clk()
 
 
-def group_cpu_s(pgid: int | None) -> float:
-    """CPU seconds used by the live processes of a process group (plus their reaped children)."""
-    if pgid is None:
-        return 0.0
-    total = 0
+def proc_stats():
+    """(pid, the fields of /proc/PID/stat after the command name) for every live process; field 4 (ppid) is
+    ``fields[1]``, field 5 (pgrp) ``fields[2]``."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -100,9 +98,18 @@ def group_cpu_s(pgid: int | None) -> float:
             stat = Path(entry.path, "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid:  # field 5 (pgrp), counted after the ")" of the command name
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        yield int(entry.name), stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces and ")"
+
+
+def group_cpu_s(pgid: int | None) -> float:
+    """CPU seconds used by the live processes of a process group (plus their reaped children)."""
+    if pgid is None:
+        return 0.0
+    total = sum(
+        sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        for _, fields in proc_stats()
+        if int(fields[2]) == pgid
+    )
     return total / _clk()
 
 
