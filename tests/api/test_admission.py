@@ -312,7 +312,7 @@ def test_serve_passes_slo_admission_to_the_engine(tiny_ckpt, monkeypatch, flags,
     from tests.support import free_port
 
     started: list[ServerArgs] = []
-    monkeypatch.setattr(api.server, "run_server", started.append)
+    monkeypatch.setattr(api.server, "run_server", lambda args, startup=None: started.append(args))
     monkeypatch.setattr(lm_engine.memory, "bound_native_caches", lambda: None)  # leave this process's env
     assert main(["serve", "--model", str(tiny_ckpt), "--port", str(free_port()), *flags]) == 0
     assert [s.engine.slo_admission for s in started] == [expected]
