@@ -20,15 +20,17 @@ from the packed one), so an embedding's fingerprint does not depend on the packi
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from encoder.attention import cpu_kernel
-from preprocess.native import best_times, switched_off
+from preprocess.native import best_times, load_library, switched_off
 from preprocess.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.linear")
@@ -44,8 +46,12 @@ class PackedLinear(nn.Module):
         # opaque oneDNN tensor, and the module is built after the weights are in (see the module doc).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # the few-row kernel (skinny_linear.c) on the same buffer, where it applies to this weight's layout
+        self.skinny = skinny_path(linear.weight, self.bias, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.skinny and x.dim() >= 2 and x.numel() <= SKINNY_ROWS * self.in_features and x.numel():
+            return skinny_linear(self, x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -246,3 +252,182 @@ def pack_linears(module: nn.Module, pool: str = "vision") -> int:
         del child
         swapped += 1
     return swapped
+
+
+# ---------------------------------------------------------------- few rows on the packed buffer
+
+SKINNY_ROWS = 16  # the most rows skinny_linear.c takes in one call (an AMX tile's rows)
+SKINNY_PROBE_SHAPE = (8192, 8192)  # the weight :func:`_time_skinny` times the kernel on
+_SKINNY_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.c"
+_SKINNY_PATHS = {"amx": 1, "avx512-bf16": 2}
+
+
+@functools.cache
+def skinny_library() -> tuple[ctypes.CDLL, int] | None:
+    """The few-row kernel and the path it runs here (1: AMX, 2: AVX512-BF16 dot products), or ``None``: no
+    compiler, neither instruction set, or ``VLMSERVE_SKINNY_LINEAR=0``."""
+    if switched_off("VLMSERVE_SKINNY_LINEAR"):
+        return None
+    lib = load_library(_SKINNY_SOURCE, openmp=True)
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.vlm_skinny_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i64, i64]
+    lib.vlm_skinny_linear.restype = ctypes.c_int
+    if lib.vlm_skinny_amx_ready():
+        return lib, _SKINNY_PATHS["amx"]
+    if lib.vlm_skinny_bf16dot():
+        return lib, _SKINNY_PATHS["avx512-bf16"]
+    return None
+
+
+def packed_words(packed: torch.Tensor) -> torch.Tensor | None:
+    """The raw 16-bit words of a oneDNN-packed bfloat16 weight, as a flat int16 tensor sharing its memory (and
+    holding ``packed`` alive), or ``None`` where this torch cannot say where they are."""
+    try:
+        nbytes = int(torch.ops.mkldnn._nbytes(packed))
+        address = int(torch.ops.mkldnn.data_ptr(packed))
+    except (AttributeError, RuntimeError):
+        return None
+    if nbytes <= 0 or nbytes % 2:
+        return None
+    words = torch.frombuffer((ctypes.c_int16 * (nbytes // 2)).from_address(address), dtype=torch.int16)
+    words.packed = packed  # NOTE: the words are the packed tensor's memory: it must outlive them
+    return words
+
+
+def vnni_offsets(rows: torch.Tensor, cols: torch.Tensor, k: int) -> torch.Tensor:
+    """Where weight[rows, cols] lies in skinny_linear.c's layout [n/32][k/2][32][2] (in 16-bit words)."""
+    return (rows // 32) * 32 * k + (cols // 2) * 64 + (rows % 32) * 2 + cols % 2
+
+
+def vnni_layout(weight: torch.Tensor, words: torch.Tensor | None, samples: int = 4096) -> bool:
+    """Whether ``words`` (:func:`packed_words` of oneDNN's packing of ``weight``, [n, k] bfloat16) hold it as
+    [n/32][k/2][32][2] with no padding: their size, and the words at both ends and at ``samples`` random places.
+    (oneDNN picks its layout per ISA and shape; the kernel runs only on a weight whose layout was seen to be this
+    one. A weight whose values repeat could pass with another layout; :func:`skinny_layout_checked` also packs a
+    weight of distinct values once a process.)"""
+    n, k = weight.shape
+    if words is None or words.numel() != n * k:
+        return False
+    plain = weight.detach().contiguous().view(torch.int16)
+    gen = torch.Generator().manual_seed(n * 131 + k)
+    rows = torch.cat([torch.tensor([0, n - 1, n - 1, 0]), torch.randint(0, n, (samples,), generator=gen)])
+    cols = torch.cat([torch.tensor([0, k - 1, 0, k - 1]), torch.randint(0, k, (samples,), generator=gen)])
+    return bool(torch.equal(words[vnni_offsets(rows, cols, k)], plain[rows, cols]))
+
+
+@functools.cache
+def skinny_layout_checked(n: int = 96, k: int = 160) -> bool:
+    """oneDNN's layout on a weight whose every entry tells its place apart (row and column in two weights of
+    small integers, exact in bfloat16), once a process: the layout :func:`vnni_layout` samples is this one."""
+    rows = torch.arange(n).view(n, 1).expand(n, k)
+    cols = torch.arange(k).view(1, k).expand(n, k)
+    for index in (rows, cols):
+        w = index.to(torch.bfloat16).contiguous()
+        words = packed_words(torch.ops.mkldnn._reorder_linear_weight(w, None))
+        if words is None or words.numel() != n * k:
+            return False
+        r, c = rows.reshape(-1), cols.reshape(-1)
+        if not torch.equal(words[vnni_offsets(r, c, k)], w.view(torch.int16).reshape(-1)):
+            return False
+    return True
+
+
+def skinny_path(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
+    """The path of skinny_linear.c that runs this packed weight's calls of up to :data:`SKINNY_ROWS` rows, or 0:
+    the library, the shape (multiples of 32), the layout (:func:`vnni_layout`) and a one-time timing
+    (:func:`skinny_is_faster`) must all allow it."""
+    found = skinny_library()
+    n, k = weight.shape
+    if found is None or n % 32 or k % 32 or (bias is not None and bias.dtype != torch.bfloat16):
+        return 0
+    if not (skinny_layout_checked() and vnni_layout(weight, packed_words(packed)) and skinny_is_faster()):
+        return 0
+    return found[1]
+
+
+def skinny_call(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None, path: int) -> torch.Tensor:
+    """``x · wᵀ + bias`` on skinny_linear.c for ``x`` [..., k] bfloat16 of at most :data:`SKINNY_ROWS` rows, the
+    weight [n, k] at ``address`` in its layout [n/32][k/2][32][2]; ``path`` as :func:`skinny_library` gives."""
+    lib, _ = skinny_library()
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1 or flat.stride(0) < k:
+        flat = flat.contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=torch.bfloat16)
+    rc = lib.vlm_skinny_linear(
+        flat.data_ptr(),
+        flat.shape[0],
+        k,
+        flat.stride(0),
+        address,
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        torch.get_num_threads(),
+        path,
+    )
+    if rc != 0:
+        raise RuntimeError(f"skinny_linear.c refused a {flat.shape[0]} × {k} → {n} call (path {path}): {rc}")
+    return out.view(*x.shape[:-1], n)
+
+
+def skinny_linear(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for up to :data:`SKINNY_ROWS` rows on skinny_linear.c, reading the packed buffer once."""
+    if x.dtype != torch.bfloat16 or x.shape[-1] != linear.in_features:
+        return torch.ops.mkldnn._linear_pointwise(x, linear.packed, linear.bias, "none", [], "")
+    address = int(torch.ops.mkldnn.data_ptr(linear.packed))
+    return skinny_call(x, address, linear.out_features, linear.bias, linear.skinny)
+
+
+@functools.cache
+def skinny_is_faster(rounds: int = 15) -> bool:
+    """Timed once per machine and library build (the start-up probe cache), see :func:`_time_skinny`."""
+    found = skinny_library()
+    if found is None:
+        return False
+    args = {"lib": library_tag(found[0]), "path": found[1], "weight": list(SKINNY_PROBE_SHAPE)}
+    return bool(cached_probe("skinny_linear", args, lambda: _time_skinny(rounds)))
+
+
+def _time_skinny(rounds: int) -> bool:
+    """The few-row kernel against oneDNN's call on the same packed 8,192 × 8,192 weight (128 MB: a decode step
+    reads its weights from memory, not from cache; at 16 MB both ran from L3 and the order of the two flipped
+    between runs) at 1 and 16 rows, best of ``rounds``, alternating. Taken unless it is slower on balance by
+    more than this VM's noise: the geometric mean of the two time ratios under 1.1. (On a 2-vCPU Xeon with AMX
+    it ran at the rate of a plain read of the buffer, and a decode step's linears at the Qwen2-VL-2B shape took
+    0.86-0.93 of oneDNN's time; but single calls of this probe's size took 2.7 to 22 ms for either, by the
+    neighbours' load on the machine's memory, so only the best of many runs says anything.) About 1 s, once per
+    machine."""
+    n, k = SKINNY_PROBE_SHAPE
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    packed = PackedLinear.__new__(PackedLinear)
+    nn.Module.__init__(packed)
+    packed.in_features, packed.out_features = k, n
+    packed.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed.bias = None
+    packed.skinny = skinny_library()[1] if vnni_layout(weight, packed_words(packed.packed)) else 0
+    del weight
+    if not (packed.skinny and skinny_layout_checked()):
+        return False
+    ratio = 1.0
+    with torch.no_grad():
+        for rows in (1, 16):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            calls = {
+                "onednn": lambda x=x: torch.ops.mkldnn._linear_pointwise(
+                    x, packed.packed, None, "none", [], ""
+                ),
+                "skinny": lambda x=x: skinny_linear(packed, x),
+            }
+            best = best_times(calls, rounds)
+            log.info(
+                "bfloat16 linear on the packed weight, %d rows: oneDNN %.0f us, few-row kernel %.0f us",
+                rows,
+                best["onednn"] * 1e6,
+                best["skinny"] * 1e6,
+            )
+            ratio *= best["skinny"] / best["onednn"]
+    return ratio < 1.1 * 1.1

@@ -1,0 +1,213 @@
+/* Few-row bfloat16 linear layers (decode steps: one row per running sequence) on the weight oneDNN already
+ * packed, so a decode step reads every weight once at the memory's rate and the prefill keeps oneDNN's kernels
+ * on the same buffer: no second copy of any weight.
+ *
+ * y [m, n] = x [m, k] · wᵀ (+ bias), bfloat16 in and out, float32 accumulation, m <= 16. w is the buffer that
+ * torch.ops.mkldnn._reorder_linear_weight produced for a bfloat16 [n, k] weight on a CPU with AMX: pairs of k
+ * interleaved, 32 outputs a block, [n/32][k/2][32][2] (the Python side checks this layout on every weight it
+ * hands here, encoder/models/linear.py). Each 32-output block is one contiguous run of k · 64 bytes, read once.
+ *
+ * Two paths over the same layout. AMX (`path` 1): per 32 · k block, tiles C [m][16 outputs] += x [m][32 k] (A,
+ * read in place, rows ldx apart) · w [16 k pairs][16 outputs][2] (B, rows of the block 128 bytes apart), two
+ * blocks at a time (four accumulators). AVX512-BF16 (`path` 2): per block, vdpbf16ps of a k pair of x (broadcast)
+ * against the block's 32 outputs, eight rows of x at a time.
+ *
+ * NOTE: oneDNN's own call on this buffer for one to a few rows ran 10-25 % under the machine's read rate at the
+ * Qwen2-VL-2B decoder's shapes, and its 8,960 → 1,536 projection at one row 5x slower (it splits k): 2-vCPU Xeon
+ * with AMX, 2026-12-06, benchmarks/real_size.py and the step of linears in the commit that added this file.
+ *
+ * Built by encoder/models/linear.py with -fopenmp where the compiler can (the calls then run on torch's own
+ * OpenMP threads); called through ctypes, which releases the GIL. Returns 0, or a negative code for arguments or
+ * a path it refuses.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_BF16DOT 1
+#else
+#define HAVE_BF16DOT 0
+#endif
+
+#if HAVE_BF16DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+#define BLOCK 32 /* outputs per block of the packed layout */
+#define MAX_ROWS 16
+
+#if HAVE_AMX
+static int amx_state; /* 1: the kernel granted this process the tile data state; -1: refused */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+
+static void amx_request(void) {
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux enables the 8 KB tile state per process on request */
+    amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* Tiles 0-3: accumulators [m][16 outputs]; 4: x's 32 columns [m][32]; 5-7: the weight's [16 pairs][16][2]. */
+static void amx_config(int64_t m) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)m;
+    for (int i = 5; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
+    /* NOTE: an asm operand of all 64 bytes, not _tile_loadconfig (GCC 12 declares 8, and the stores to the rest
+     * can go as dead where it is inlined), as in encoder/attention/csrc/varlen_attention.c */
+    __asm__ volatile("ldtilecfg %0" ::"m"(c));
+}
+#endif
+
+int vlm_skinny_amx_ready(void) {
+#if HAVE_AMX
+    pthread_once(&amx_once, amx_request);
+    return amx_state == 1;
+#else
+    return 0;
+#endif
+}
+
+int vlm_skinny_bf16dot(void) { return HAVE_BF16DOT; }
+
+#if HAVE_BF16DOT
+/* float32 → bfloat16, 16 lanes, round to nearest even (vcvtneps2bf16, as oneDNN's own kernels convert) */
+static inline void store_bf16(uint16_t *dst, __m512 v) {
+    _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* Row i of the accumulators `acc` ([MAX_ROWS][cols] float32) plus the bias, rounded, into y. */
+static inline void write_rows(const float *acc, int64_t ldacc, int64_t m, int64_t cols, const uint16_t *bias,
+                              uint16_t *y, int64_t ldy) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < cols; j += 16) {
+            __m512 v = _mm512_loadu_ps(acc + i * ldacc + j);
+            if (bias)
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + j))), 16)));
+            store_bf16(y + i * ldy + j, v);
+        }
+}
+#endif
+
+#if HAVE_AMX
+/* Blocks [b0, b1) (of 32 outputs), two at a time. */
+static void unit_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                     uint16_t *y, int64_t ldy, int64_t b0, int64_t b1) {
+    amx_config(m);
+    float out[MAX_ROWS][2 * BLOCK];
+    for (int64_t b = b0; b < b1; b += 2) {
+        const int two = b + 1 < b1;
+        const uint16_t *w0 = w + b * BLOCK * k, *w1 = w0 + BLOCK * k;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kc = 0; kc < k; kc += 32) {
+            _tile_loadd(4, x + kc, ldx * 2);
+            const uint16_t *p0 = w0 + kc * BLOCK; /* k pairs kc/2 ..: rows of 32 outputs × 2, 128 bytes */
+            _tile_loadd(5, p0, 128);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, p0 + 32, 128);
+            _tile_dpbf16ps(1, 4, 6);
+            if (two) {
+                const uint16_t *p1 = w1 + kc * BLOCK;
+                _tile_loadd(7, p1, 128);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, p1 + 32, 128);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, &out[0][0], sizeof out[0]);
+        _tile_stored(1, &out[0][16], sizeof out[0]);
+        if (two) {
+            _tile_stored(2, &out[0][32], sizeof out[0]);
+            _tile_stored(3, &out[0][48], sizeof out[0]);
+        }
+        write_rows(&out[0][0], 2 * BLOCK, m, two ? 2 * BLOCK : BLOCK, bias ? bias + b * BLOCK : NULL,
+                   y + b * BLOCK, ldy);
+    }
+    _tile_release();
+}
+#endif
+
+#if HAVE_BF16DOT
+#define DOT_ROWS 8 /* rows of x per pass: 16 accumulators, the block's two vectors and a broadcast in registers */
+
+/* Blocks [b0, b1), vdpbf16ps: per k pair, x's pair (two bf16 as one 32-bit lane, broadcast) against 32 outputs. */
+static void unit_dot(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                     uint16_t *y, int64_t ldy, int64_t b0, int64_t b1) {
+    float out[DOT_ROWS][BLOCK];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint16_t *wb = w + b * BLOCK * k;
+        for (int64_t r0 = 0; r0 < m; r0 += DOT_ROWS) {
+            const int64_t rows = m - r0 < DOT_ROWS ? m - r0 : DOT_ROWS;
+            __m512 acc[DOT_ROWS][2];
+            for (int i = 0; i < DOT_ROWS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (int64_t p = 0; p < k / 2; p++) {
+                const __m512bh lo = (__m512bh)_mm512_loadu_si512(wb + p * 64);
+                const __m512bh hi = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
+#pragma GCC unroll 8
+                for (int i = 0; i < DOT_ROWS; i++) {
+                    if (i >= rows) break;
+                    uint32_t pair;
+                    memcpy(&pair, x + (r0 + i) * ldx + 2 * p, 4);
+                    const __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xp);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xp);
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                _mm512_storeu_ps(out[i], acc[i][0]);
+                _mm512_storeu_ps(out[i] + 16, acc[i][1]);
+            }
+            write_rows(&out[0][0], BLOCK, rows, BLOCK, bias ? bias + b * BLOCK : NULL, y + r0 * ldy + b * BLOCK,
+                       ldy);
+        }
+    }
+}
+#endif
+
+/* path 1: AMX (vlm_skinny_amx_ready()), 2: AVX512-BF16 dot products. k a multiple of 32 and n of 32 (the layout's
+ * blocks, with no padding to read past), 1 <= m <= 16, x's rows ldx >= k apart, y's ldy >= n. */
+int vlm_skinny_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, int64_t n,
+                      const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads, int64_t path) {
+    if (m < 1 || m > MAX_ROWS || k <= 0 || k % 32 || n <= 0 || n % BLOCK || ldx < k || ldy < n) return -1;
+    if (path == 1 && !vlm_skinny_amx_ready()) return -2;
+    if (path != 1 && (path != 2 || !HAVE_BF16DOT)) return -2;
+#if HAVE_BF16DOT
+    const int64_t blocks = n / BLOCK;
+    /* units of 2 blocks: 2 · 32 · k · 2 bytes each (196 KB at k 1,536), a few dozen at the smallest layer */
+    const int64_t per = 2, units = (blocks + per - 1) / per;
+    if (threads < 1) threads = 1;
+    if (threads > units) threads = units;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)threads) schedule(static)
+#endif
+    for (int64_t u = 0; u < units; u++) {
+        const int64_t b0 = u * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+#if HAVE_AMX
+        if (path == 1) {
+            unit_amx(x, m, k, ldx, w, bias, y, ldy, b0, b1);
+            continue;
+        }
+#endif
+        unit_dot(x, m, k, ldx, w, bias, y, ldy, b0, b1);
+    }
+    return 0;
+#else
+    (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)threads;
+    return -2;
+#endif
+}
