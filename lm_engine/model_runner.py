@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingKey
+from encoder.attention import cpu_kernel as vision_kernel
 from encoder.models import build_vision_tower
 from encoder.models.linear import pack_linears
 from encoder.models.weights import uninitialized
@@ -25,6 +26,7 @@ from lm_engine.memory import (
     peak_rss_bytes,
     zeroed_pool,
 )
+from lm_engine.models.qwen2_vl import use_step_kernels
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.startup import StartupPhases
@@ -74,6 +76,9 @@ class ModelRunner:
         packed = pack_linears(self.model, pool="prefill") + pack_linears(self.vision, pool="vision")
         if packed:
             log.info("%d linear layers with weights packed (oneDNN's bfloat16 or our float32 kernel)", packed)
+        steps = use_step_kernels(self.model, vision_kernel.load()) if dtype == torch.bfloat16 else 0
+        if steps:
+            log.info("%d decoder norms and MLPs on the compiled kernels in decode steps", steps)
         phases.lap("pack")
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)

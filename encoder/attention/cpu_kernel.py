@@ -236,9 +236,13 @@ def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | Non
     return x
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(
+    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | None = None
+) -> torch.Tensor:
     """``weight · round(x · rsqrt(mean(x²) + eps))`` over the last dimension, as the towers' RMSNorm computes it
-    (float32 inside, the normalised row rounded to x's dtype before the weight), in one pass over x."""
+    (float32 inside, the normalised row rounded to x's dtype before the weight), in one pass over x. On
+    ``threads`` (default torch's); on one thread, or 16 rows or fewer, the call runs on the caller alone and
+    never waits for another thread's call of the library."""
     if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or weight.dtype != x.dtype:
         raise ValueError(f"rms_norm: unsupported {x.dtype} {x.device} input, {weight.dtype} weight")
     cols = x.shape[-1]
@@ -256,13 +260,16 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
         cols,
         eps,
         _DTYPE_CODES[x.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads() if threads is None else threads,
     )
     return out
 
 
-def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` as torch computes it in the input dtype (silu rounded, then the product), one pass."""
+def silu_mul(
+    lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None
+) -> torch.Tensor:
+    """``silu(gate) * up`` as torch computes it in the input dtype (silu rounded, then the product), one pass, on
+    ``threads`` (default torch's; on one, the caller alone, as :func:`rms_norm`)."""
     if gate.dtype not in _DTYPE_CODES or gate.device.type != "cpu" or up.dtype != gate.dtype:
         raise ValueError(f"silu_mul: unsupported {gate.dtype}/{up.dtype} {gate.device} inputs")
     if gate.shape != up.shape:
@@ -277,7 +284,7 @@ def silu_mul(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor) -> torch.Te
         out.data_ptr(),
         gate.numel(),
         _DTYPE_CODES[gate.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads() if threads is None else threads,
     )
     return out
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encoder.attention import cpu_kernel
 from encoder.models.linear import halves_split, silu_gated_halves
 from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
@@ -135,13 +136,40 @@ def mrope_positions(
 
 
 # -- decoder -----------------------------------------------------------------------------------------------
+# Elements up to which a decode step's norm and silu · up run on the compiled library, on the calling thread
+# alone (one pass where torch makes seven or two; no other thread to wake, no wait for a tower's call): a
+# handful of rows. Past it, torch's ops, on all threads.
+STEP_KERNEL_ELEMS = 1 << 16
+
+
+def use_step_kernels(module: nn.Module, lib) -> int:
+    """Hand the compiled library (``encoder.attention.cpu_kernel.load()``) to every decoder norm and MLP under
+    ``module`` (CPU, bfloat16 only: elsewhere they keep torch's ops); returns how many took it."""
+    taken = 0
+    for child in module.modules():
+        if isinstance(child, (RMSNorm, MLP)) and child.take_lib(lib):
+            taken += 1
+    return taken
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.lib = None
+
+    def take_lib(self, lib) -> bool:
+        if lib is None or self.weight.device.type != "cpu" or self.weight.dtype != torch.bfloat16:
+            return False
+        self.lib = lib
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None and x.numel() <= STEP_KERNEL_ELEMS and x.dtype == self.weight.dtype:
+            # NOTE: the same formula in one pass; bfloat16 equal but for rare one-step differences (the sum of
+            # squares is added in another order): tests/lm_engine/test_step_kernels.py
+            return cpu_kernel.rms_norm(self.lib, x, self.weight.detach(), self.eps, threads=1)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -196,13 +224,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q's and k's heads rotated together: the same ops on every element, once instead of twice
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        q, k = (qk * c + _rotate_half(qk) * s).split([self.num_heads, self.num_kv_heads], dim=1)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -212,11 +239,22 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.lib = None
+
+    def take_lib(self, lib) -> bool:
+        weight = next(self.down_proj.parameters(), None)
+        if lib is None or (weight is not None and weight.device.type != "cpu"):
+            return False
+        self.lib = lib
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if halves_split(self.gate_up_proj):  # the float32 kernel: gate, up and silu · up in one pass
             return self.down_proj(silu_gated_halves(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.lib is not None and gate.dtype == torch.bfloat16 and 2 * gate.numel() <= STEP_KERNEL_ELEMS:
+            # silu rounded, then the product, as torch computes it (tests/encoder/test_attention_kernel.py)
+            return self.down_proj(cpu_kernel.silu_mul(self.lib, gate, up, threads=1))
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

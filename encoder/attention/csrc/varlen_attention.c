@@ -1620,6 +1620,13 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
 static int run_elementwise(job_t *j, int64_t units, void (*unit)(job_t *, int64_t), int64_t threads) {
     j->units = units;
     j->unit = unit;
+    if (threads <= 1 || units <= 1) {
+        /* on the caller alone, without the vision pool: a decode step's norm or silu · up (a few rows) must not
+         * wait for a tower's call on another thread, and needs no other thread */
+        atomic_store(&j->next, 0);
+        work(j);
+        return 0;
+    }
     pool_t *pool = &pools[VISION_POOL];
     pthread_mutex_lock(&pool->call);
     dispatch(pool, j, threads > MAX_THREADS ? MAX_THREADS : threads);
