@@ -4,6 +4,7 @@ masked."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -28,6 +29,12 @@ from tests.structured_schemas import COLORS, SCHEMAS, SHAPES
 from tests.support import image_part, make_image, user
 
 CONV = user(image_part(make_image(128, 96, 5)), "Describe the image.")
+# The README's picture: a red circle on grey.
+README_IMAGE = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAGAAAABgAQMAAADYVuV7AAAABlBMVEWAgIDXIyNzYI4YAAAAtklEQVR42u3SMU7EQAyF4S/OSlBQUNIRbhJuyJHmKBwhJUirDMV4UNiNNh3VuvDMk/"
+    "+xn0bmHkfxegYjWGIovfBQ6wIBLzz9iinPgJmhPxlqrbVkpaMCJ3hO8ShTbI1EEk4pJptOM23QnzcjmuGhXHfbivQ4u42lng6w/xJru30eYLXdyi1s1H/"
+    "xfQcrtDbRxrXRgQXOe0a/ZIokLCnWNJ1bNfPWG5R0G4msdvftm4+rHb3HRfwAUVcnBbQDSI8AAAAASUVORK5CYII="
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +168,18 @@ def test_padded_vocabulary_ids_stay_masked():
         for t in allowed
     )
     assert torch.equal(logits[1], free)
+
+
+def test_the_grammar_applies_after_the_reasoning_marker(llm):
+    """``grammar_after``: free text until the output holds the marker, the grammar from the next token on (a
+    reasoning model's "</think>"; here the demo model's own first word stands in for it)."""
+    conv = user(image_part(README_IMAGE), "What color is the shape?")
+    [free] = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=8))
+    assert free.text == "red"
+    grammar = choice_grammar([", a circle"])
+    [late] = llm.chat(
+        conv, SamplingParams(temperature=0.0, max_tokens=20, grammar=grammar, grammar_after="red")
+    )
+    assert late.text == "red, a circle" and late.finish_reason == "stop"
+    [early] = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=20, grammar=grammar))
+    assert early.text == ", a circle"
