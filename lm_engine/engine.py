@@ -272,7 +272,10 @@ class LLMEngine:
         # NOTE: the masks of the constrained rows compute on a worker thread while the forward pass runs.
         masks = self.masks.start([c.seq.grammar for c in sched.chunks if c.completes and c.seq.grammar])
         completing, logits = self._execute(sched, faults)
+        raw = logits  # what logprobs are read from: the model's own distribution, masks or not
         if masks is not None:
+            if any(c.seq.grammar and c.seq.params.logprobs is not None for c in completing):
+                raw = logits.clone()
             broken = masks.apply(logits, [c.seq.grammar for c in completing])
             for row in broken:
                 faults[completing[row].seq.request_id] = GrammarError("the grammar allows no next token")
@@ -286,20 +289,16 @@ class LLMEngine:
         touched = {s.request_id for s in sched.preempted}
         if seqs:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
-                logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
+                logits, raw = _rows(logits, raw, rows)
             now = self.clock()
             eos = self.outputs.eos_ids
             tokens = self._isolated(lambda j: sample(logits[j], seqs[j], eos), seqs, faults)
             live = [j for j, s in enumerate(seqs) if s.request_id not in faults]
             if len(live) < len(seqs):
                 seqs, tokens = [seqs[j] for j in live], [tokens[j] for j in live]
-                logits = logits.index_select(
-                    0, to_device(torch.tensor(live, dtype=torch.long), logits.device)
-                )
+                logits, raw = _rows(logits, raw, live)
             if any(s.params.logprobs is not None for s in seqs):
-                entries = self._isolated(
-                    lambda j: token_logprobs(logits[j], seqs[j], tokens[j]), seqs, faults
-                )
+                entries = self._isolated(lambda j: token_logprobs(raw[j], seqs[j], tokens[j]), seqs, faults)
                 self._record_logprobs(seqs, entries, tokens, faults)
             for seq, tok in zip(seqs, tokens):
                 if seq.request_id in faults:
@@ -480,6 +479,13 @@ class LLMEngine:
             assert not seq.block_table and seq.seq_id not in running_ids
         held = {im.key for st in self.requests.values() for im in st.images}
         assert set(self.images.ready) <= held and set(self.images.failed) <= held
+
+
+def _rows(logits: torch.Tensor, raw: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of the logits sampled from and of the unmasked ones logprobs read (often the same tensor)."""
+    index = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+    picked = logits.index_select(0, index)
+    return picked, (picked if raw is logits else raw.index_select(0, index))
 
 
 def _raise_if_engine_fault(exc: Exception) -> None:

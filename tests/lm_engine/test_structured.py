@@ -183,3 +183,19 @@ def test_the_grammar_applies_after_the_reasoning_marker(llm):
     assert late.text == "red, a circle" and late.finish_reason == "stop"
     [early] = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=20, grammar=grammar))
     assert early.text == ", a circle"
+
+
+def test_logprobs_of_constrained_rows_are_the_models_own(llm):
+    """As for free rows: the model's distribution before the mask, so the first step's top alternatives equal
+    those of the same prompt's unconstrained first step, and the chosen token's logprob is read from it too."""
+    grammar = json_schema_grammar(SCHEMAS["enum-color-shape"])
+    [free] = llm.chat(CONV, SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))
+    [held] = llm.chat(CONV, SamplingParams(temperature=0.0, max_tokens=3, logprobs=5, grammar=grammar))
+    first_free, first_held = free.outputs[0].logprobs[0], held.outputs[0].logprobs[0]
+    assert [(t, round(lp, 4)) for t, _, lp in first_held.top] == [
+        (t, round(lp, 4)) for t, _, lp in first_free.top
+    ]
+    assert held.text.startswith("{") and all(e.logprob > -1e9 for e in held.outputs[0].logprobs)
+    by_token = {t: lp for t, _, lp in first_free.top}
+    if first_held.token_id in by_token:
+        assert abs(first_held.logprob - by_token[first_held.token_id]) < 1e-5
