@@ -134,10 +134,8 @@ class Grammars:
             if hit is not None:
                 self._cache.move_to_end(text)
                 return hit
-        # NOTE: outside the lock: compiles run in parallel, and a slow one does not hold cache hits up.
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "invalid grammar")
+        # NOTE: outside the lock: compiles run in parallel, and a slow one does not hold cache hits up. The
+        # matcher compiles the grammar (llguidance drops the GIL meanwhile) and holds its error if it has one.
         template = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if template.is_error():
             raise GrammarError(template.get_error())
