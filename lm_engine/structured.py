@@ -193,7 +193,11 @@ class MaskJob:
     """One step's masks: computed on a worker thread from ``start`` on, applied by ``apply``."""
 
     def __init__(
-        self, pool: ThreadPoolExecutor, executor: llguidance.LLExecutor | None, width: int, states: list
+        self,
+        pool: ThreadPoolExecutor | _Inline,
+        executor: llguidance.LLExecutor | None,
+        width: int,
+        states: list,
     ) -> None:
         self.rows = {id(state): i for i, state in enumerate(states)}
         self.bitmask = torch.zeros(len(states), (width + 31) // 32, dtype=torch.int32)
@@ -233,16 +237,36 @@ class MaskJob:
         return broken
 
 
+class _Inline:
+    """Runs a job at once, on the caller's thread (its Future already done)."""
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class GrammarMasks:
-    """Starts each step's ``MaskJob`` on one worker thread, which spreads many rows over llguidance's threads.
+    """Starts each step's ``MaskJob``: on a worker thread while the forward pass runs (``overlap``), which spreads
+    many rows over llguidance's threads, or at once on the engine's thread.
 
-    ``threads``: llguidance's; default a quarter of the CPUs, and none of its own below 8 CPUs. NOTE: measured on
-    2 vCPUs (benchmarks/structured.py), its pool took 1.6 ms a step for the masks of 4 rows that one thread
-    computes in 0.26 ms: its threads spin for work on the cores the forward pass runs on."""
+    ``overlap``: worth it where the forward pass leaves the CPU free: on an accelerator, or with cores torch's
+    threads do not use. NOTE: on 2 vCPUs with torch on both (benchmarks/structured.py), a worker thread cost the
+    forward pass more than the masks it computed (batch 16, all rows constrained: +12 % a step overlapped, +5 %
+    inline): the pass's threads wait at each barrier for the one the worker displaced.
+    ``threads``: llguidance's; default a quarter of the CPUs, and none of its own below 8 CPUs (its pool took
+    1.6 ms a step on 2 vCPUs for 4 rows' masks that one thread computes in 0.26 ms: its threads spin)."""
 
-    def __init__(self, width: int, threads: int | None = None) -> None:
+    def __init__(self, width: int, overlap: bool = True, threads: int | None = None) -> None:
         self.width = width
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-grammar")
+        self.overlap = overlap
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vlmserve-grammar") if overlap else _Inline()
         threads = threads if threads is not None else (os.cpu_count() or 1) // 4
         self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
 

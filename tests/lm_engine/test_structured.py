@@ -199,3 +199,25 @@ def test_logprobs_of_constrained_rows_are_the_models_own(llm):
     by_token = {t: lp for t, _, lp in first_free.top}
     if first_held.token_id in by_token:
         assert abs(first_held.logprob - by_token[first_held.token_id]) < 1e-5
+
+
+def test_masks_beside_the_forward_pass_and_inline_agree(llm):
+    """Both ways the engine computes masks (a worker thread during the forward pass; at once, where the pass
+    needs every core) give the same greedy outputs, each valid."""
+    engine = llm.engine
+    default = engine.masks
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=160, grammar=json_schema_grammar(s))
+        for s in SCHEMAS.values()
+    ]
+    texts = {}
+    try:
+        for overlap in (True, False):
+            engine.masks = GrammarMasks(default.width, overlap=overlap)
+            texts[overlap] = [o.text for o in llm.chat([CONV] * len(SCHEMAS), params)]
+            engine.masks.close()
+    finally:
+        engine.masks = default
+    assert texts[True] == texts[False]
+    for text, schema in zip(texts[True], SCHEMAS.values()):
+        jsonschema.validate(json.loads(text), schema)
