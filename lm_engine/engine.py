@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,9 +121,7 @@ class LLMEngine:
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
         self.grammars = Grammars(self.processor.tokenizer, self.model_config.vocab_size, sorted(eos))
-        # NOTE: masks compute beside the forward pass only where it leaves a core free (GrammarMasks says why).
-        spare = (os.cpu_count() or 1) > torch.get_num_threads()
-        self.masks = GrammarMasks(self.grammars.width, overlap=self.runner.device.type != "cpu" or spare)
+        self.masks = GrammarMasks(self.grammars.width)
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self.startup_phases = dict(phases.phases)  # phase → seconds; they add up to the whole start
@@ -272,7 +269,7 @@ class LLMEngine:
         been in the step. A failure no single request explains is the engine's and is raised."""
         self.step_count += 1
         faults: dict[str, BaseException] = {}
-        # NOTE: the masks of the constrained rows compute on a worker thread while the forward pass runs (or here).
+        # NOTE: the masks of the constrained rows compute on a worker thread while the forward pass runs.
         masks = self.masks.start([c.seq.grammar for c in sched.chunks if c.completes and c.seq.grammar])
         completing, logits = self._execute(sched, faults)
         raw = logits  # what logprobs are read from: the model's own distribution, masks or not

@@ -253,13 +253,13 @@ class _Inline:
 
 
 class GrammarMasks:
-    """Starts each step's ``MaskJob``: on a worker thread while the forward pass runs (``overlap``), which spreads
-    many rows over llguidance's threads, or at once on the engine's thread.
+    """Starts each step's ``MaskJob``: on a worker thread while the forward pass runs (``overlap``, the default),
+    which spreads many rows over llguidance's threads, or at once on the engine's thread.
 
-    ``overlap``: worth it where the forward pass leaves the CPU free: on an accelerator, or with cores torch's
-    threads do not use. NOTE: on 2 vCPUs with torch on both (benchmarks/structured.py), a worker thread cost the
-    forward pass more than the masks it computed (batch 16, all rows constrained: +12 % a step overlapped, +5 %
-    inline): the pass's threads wait at each barrier for the one the worker displaced.
+    NOTE: on 2 vCPUs with torch's threads on both, the worker competes with the pass for a core; measured
+    (benchmarks/structured.py, small preset, batch 16, every row constrained) the two ways came out +12 % and
+    +1.5 % a step overlapped against +4.3 % inline in two runs under other load, so neither wins there for
+    certain, and overlapping is what frees the step wherever the pass leaves the CPU idle (an accelerator).
     ``threads``: llguidance's; default a quarter of the CPUs, and none of its own below 8 CPUs (its pool took
     1.6 ms a step on 2 vCPUs for 4 rows' masks that one thread computes in 0.26 ms: its threads spin)."""
 
