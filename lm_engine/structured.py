@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch as llg_torch
 import numpy as np
 import torch
 from tokenizers import Tokenizer
@@ -181,12 +180,15 @@ class GrammarState:
 
 
 def _fill(executor: llguidance.LLExecutor | None, pairs: list, bitmask: torch.Tensor) -> None:
-    """Each (matcher, row)'s mask into ``bitmask``: row by row on this thread, or on llguidance's threads."""
+    """Each (matcher, row)'s mask into ``bitmask`` (int32, contiguous, on the CPU): row by row on this thread,
+    or on llguidance's threads. NOTE: through the matchers' own pointer API, not ``llguidance.torch``, whose
+    import compiles a kernel with torch.compile and so pulls torch._dynamo into the server."""
+    row_bytes = bitmask.shape[1] * 4
     if executor is None or len(pairs) < 4:
         for matcher, row in pairs:
-            llg_torch.fill_next_token_bitmask(matcher, bitmask, row)
+            matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
     else:
-        llg_torch.fill_next_token_bitmask_par(executor, pairs, bitmask)
+        executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
 
 
 class MaskJob:

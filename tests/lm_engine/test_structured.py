@@ -201,23 +201,24 @@ def test_logprobs_of_constrained_rows_are_the_models_own(llm):
         assert abs(first_held.logprob - by_token[first_held.token_id]) < 1e-5
 
 
-def test_masks_beside_the_forward_pass_and_inline_agree(llm):
-    """Both ways the engine computes masks (a worker thread during the forward pass; at once, where the pass
-    needs every core) give the same greedy outputs, each valid."""
+def test_every_way_of_computing_masks_agrees(llm):
+    """A worker thread during the forward pass, at once on the engine thread, or spread over llguidance's own
+    threads: the same greedy outputs, each valid."""
     engine = llm.engine
     default = engine.masks
     params = [
         SamplingParams(temperature=0.0, max_tokens=160, grammar=json_schema_grammar(s))
         for s in SCHEMAS.values()
     ]
+    modes = {"worker": {}, "inline": {"overlap": False}, "llguidance threads": {"threads": 2}}
     texts = {}
     try:
-        for overlap in (True, False):
-            engine.masks = GrammarMasks(default.width, overlap=overlap)
-            texts[overlap] = [o.text for o in llm.chat([CONV] * len(SCHEMAS), params)]
+        for name, kw in modes.items():
+            engine.masks = GrammarMasks(default.width, **kw)
+            texts[name] = [o.text for o in llm.chat([CONV] * len(SCHEMAS), params)]
             engine.masks.close()
     finally:
         engine.masks = default
-    assert texts[True] == texts[False]
-    for text, schema in zip(texts[True], SCHEMAS.values()):
+    assert texts["worker"] == texts["inline"] == texts["llguidance threads"]
+    for text, schema in zip(texts["worker"], SCHEMAS.values()):
         jsonschema.validate(json.loads(text), schema)
