@@ -52,6 +52,7 @@ from api.errors import APIError, to_api_error
 from api.media import MediaConfig, MediaFetcher
 from api.prompt import normalize, prepare_prompt
 from api.protocol import ChatCompletionRequest
+from api.structured import output_plan
 from lm_engine.engine import LLMEngine
 from lm_engine.outputs import RequestOutput
 from lm_engine.processor import InputError, PromptInputs, normalize_messages
@@ -380,7 +381,12 @@ class _BatchRun:
         try:
             req = ChatCompletionRequest.model_validate(body)
             model = self.chat.check_model(req.model)
-            params = self.chat.sampling_params(req)
+            plan = output_plan(req)
+            if plan.tools:
+                raise APIError(
+                    400, "vlmserve batch does not offer tools: send them to the server", param="tools"
+                )
+            params = self.chat.sampling_params(req, plan)
             messages = [m.to_engine() for m in req.messages]
             normalize(messages, self.args.max_images)
         except (APIError, InputError, ValidationError) as err:

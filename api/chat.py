@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -16,8 +17,10 @@ from api.config import ServerArgs
 from api.errors import APIError, to_api_error
 from api.media import MediaFetcher
 from api.metrics import ServerMetrics
+from api.output_parser import THINK_OPEN, OutputParser, message
 from api.prompt import prepare_prompt
 from api.protocol import ChatCompletionRequest
+from api.structured import OutputPlan, compile_plan, output_plan
 from lm_engine.outputs import RequestOutput, TokenLogprob
 from lm_engine.sampling_params import SamplingParams
 
@@ -61,14 +64,35 @@ def logprobs_body(entries: list[TokenLogprob] | None) -> dict | None:
     }
 
 
-def completion_body(out: RequestOutput, model: str, return_ids: bool) -> dict:
+@dataclass(frozen=True, slots=True)
+class Parsing:
+    """How a request's output text is read: tool calls, a reasoning block (``thinking``: the prompt opened it)."""
+
+    tools: bool = False
+    reasoning: bool = False
+    thinking: bool = False
+
+    def parser(self) -> OutputParser | None:
+        if not (self.tools or self.reasoning):
+            return None  # NOTE: plain text stays byte for byte what the engine wrote
+        return OutputParser(self.tools, self.reasoning, self.thinking)
+
+
+def _finish_reason(reason: str | None, calls: bool) -> str | None:
+    """OpenAI's "tool_calls" where a choice that stopped on its own ended with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def completion_body(out: RequestOutput, model: str, return_ids: bool, parsing: Parsing | None = None) -> dict:
     """The non-streamed chat.completion for a finished request (the server's answer and a batch line's)."""
     choices = []
     for c in out.outputs:
+        parser = parsing.parser() if parsing else None
+        msg = {"role": "assistant", "content": c.text} if parser is None else message(parser, c.text)
         choice = {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
+            "message": msg,
+            "finish_reason": _finish_reason(c.finish_reason, "tool_calls" in msg),
             "logprobs": logprobs_body(c.logprobs),
             "stop_reason": c.stop_reason,
         }
@@ -123,11 +147,15 @@ async def _outputs(stream: RequestStream, timing: _Timing) -> AsyncIterator[Requ
 class _ChunkWriter:
     """The chat.completion.chunk events of one streamed request."""
 
-    def __init__(self, request_id: str, model: str, include_usage: bool, with_ids: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, with_ids: bool, parsing: Parsing | None = None
+    ) -> None:
         self.request_id, self.model = request_id, model
         self.include_usage, self.with_ids = include_usage, with_ids
         self.created = int(time.time())
         self.done: set[int] = set()  # choices whose finishing chunk went out
+        self.parsing = parsing
+        self.parsers: dict[int, OutputParser | None] = {}
 
     def chunk(self, choices: list[dict], usage: dict | None = None, **extra) -> str:
         body = {
@@ -152,6 +180,8 @@ class _ChunkWriter:
 
     def deltas(self, out: RequestOutput) -> str | None:
         """The choices that moved since the last output (or None: nothing to send)."""
+        if self.parsing is not None and (self.parsing.tools or self.parsing.reasoning):
+            return self._parsed_deltas(out)
         choices = []
         for c in out.outputs:
             finished = c.finish_reason is not None
@@ -170,6 +200,36 @@ class _ChunkWriter:
                 choice["token_ids"] = list(c.delta_token_ids)
             choices.append(choice)
         return self.chunk(choices) if choices else None
+
+    def _parsed_deltas(self, out: RequestOutput) -> str | None:
+        """As ``deltas``, the text read as content, reasoning and tool calls: one chunk per delta object (a
+        chunk carries one delta per choice), the token ids and logprobs on a choice's first, its finish on its
+        last."""
+        events = []
+        for c in out.outputs:
+            finished = c.finish_reason is not None
+            if c.index in self.done or not (c.delta_text or c.delta_token_ids or finished):
+                continue
+            parser = self.parsers.get(c.index)
+            if parser is None:
+                assert self.parsing is not None
+                parser = self.parsers[c.index] = self.parsing.parser()
+            parts = parser.feed(c.delta_text) + (parser.finish() if finished else [])
+            if not parts and not finished and not self.with_ids and not c.delta_logprobs:
+                continue  # held back (a tag may be starting): nothing to say yet
+            choices = [
+                {"index": c.index, "delta": part, "logprobs": None, "finish_reason": None}
+                for part in parts or [{}]
+            ]
+            choices[0]["logprobs"] = logprobs_body(c.delta_logprobs) if c.delta_logprobs else None
+            if self.with_ids:
+                choices[0]["token_ids"] = list(c.delta_token_ids)
+            if finished:
+                choices[-1]["finish_reason"] = _finish_reason(c.finish_reason, parser.calls > 0)
+                choices[-1]["stop_reason"] = c.stop_reason
+                self.done.add(c.index)
+            events += [self.chunk([choice]) for choice in choices]
+        return "".join(events) or None
 
 
 async def _prepend(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -200,13 +260,15 @@ class ChatService:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or served[0]
 
-    def sampling_params(self, req: ChatCompletionRequest) -> SamplingParams:
+    def sampling_params(self, req: ChatCompletionRequest, plan: OutputPlan | None = None) -> SamplingParams:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
         refused = req.unsupported()
         if refused is not None:
             param, message = refused
             raise APIError(400, message, param=param, code="unsupported")
+        if plan is None:
+            plan = output_plan(req)
         max_seqs = self.engine.engine.config.max_num_seqs
         if req.n > max_seqs:
             raise APIError(400, f"n must be at most {max_seqs} (--max-num-seqs)", param="n")
@@ -230,6 +292,7 @@ class ChatService:
                 min_tokens=req.min_tokens or 0,
                 min_p=req.min_p or 0.0,
                 logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                grammar=plan.grammar,
             )
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
@@ -274,13 +337,19 @@ class ChatService:
     ) -> dict | StreamingResponse:
         """``caller``: the client's address; ``tenant``: the API key's tenant (None without keys)."""
         model = self.check_model(req.model)
-        params = self.sampling_params(req)
+        plan = output_plan(req)
+        params = self.sampling_params(req, plan)
         client_key = self.fairness_key(req, caller, tenant)
         salt = self.cache_salt(req, tenant)
         # NOTE: before any media is fetched or decoded: a refusal costs nothing and never waits on a step, and
         # an admitted request counts as queued while it fetches (its prompt's tokens are added once known).
         ticket = self.engine.admit(client_key)
         try:
+            if plan.grammar is not None:
+                # NOTE: compiled here, on a worker thread, into the engine's cache: the engine thread then only
+                # copies it, and a schema that takes a second to compile holds up this request alone.
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self.executor, compile_plan, plan, self.engine.engine.grammars)
             prompt = await prepare_prompt(
                 self.engine.engine,
                 req.messages,
@@ -288,7 +357,11 @@ class ChatService:
                 max_images=self.args.max_images,
                 executor=self.executor,
                 cache_salt=salt,
+                tools=plan.tools,
             )
+            parsing = self._parsing(plan, prompt.token_ids)
+            if parsing.thinking and params.grammar is not None:
+                params.grammar_after = "</think>"  # the grammar applies to the answer, after the reasoning
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
             stream = await self.engine.add_request(
                 request_id, prompt, params, client_key=client_key, ticket=ticket, cache_salt=salt
@@ -300,7 +373,7 @@ class ChatService:
         outputs = _outputs(stream, timing)
         if not req.stream:
             try:
-                return await self._complete(outputs, model, req.return_token_ids, timing)
+                return await self._complete(outputs, model, req.return_token_ids, timing, parsing)
             finally:
                 stream.close()
         # NOTE: the first output (first token, or the request's failure) comes before the response starts,
@@ -320,20 +393,34 @@ class ChatService:
                 include_usage,
                 list(prompt.token_ids) if req.return_token_ids else None,
                 timing,
+                parsing,
             ),
             media_type="text/event-stream",
             headers={"X-Request-Id": request_id, **visual_level_header(first.visual_levels)},
         )
 
+    def _parsing(self, plan: OutputPlan, prompt_ids: list[int]) -> Parsing:
+        """How the output is read: tool calls where tools were offered; a reasoning block with
+        --reasoning-parser, inside one from the first token where the prompt opened it."""
+        if not self.args.reasoning_parser:
+            return Parsing(tools=plan.parse_tools)
+        tail = self.engine.engine.processor.decode(list(prompt_ids[-4:]), skip_special_tokens=False)
+        return Parsing(tools=plan.parse_tools, reasoning=True, thinking=tail.rstrip().endswith(THINK_OPEN))
+
     async def _complete(
-        self, outputs: AsyncIterator[RequestOutput], model: str, return_ids: bool, timing: _Timing
+        self,
+        outputs: AsyncIterator[RequestOutput],
+        model: str,
+        return_ids: bool,
+        timing: _Timing,
+        parsing: Parsing,
     ) -> dict:
         final = None
         async for out in outputs:
             final = out
         assert final is not None and final.finished
         self._record(final, timing)
-        return completion_body(final, model, return_ids)
+        return completion_body(final, model, return_ids, parsing)
 
     async def _stream(
         self,
@@ -344,9 +431,10 @@ class ChatService:
         include_usage: bool,
         prompt_ids: list[int] | None,
         timing: _Timing,
+        parsing: Parsing,
     ) -> AsyncIterator[str]:
         """SSE chunks; ``prompt_ids`` (given when token ids were asked for) also turns on per-chunk token_ids."""
-        chunks = _ChunkWriter(stream.request_id, model, include_usage, with_ids=prompt_ids is not None)
+        chunks = _ChunkWriter(stream.request_id, model, include_usage, prompt_ids is not None, parsing)
         outcome = "aborted"  # unless the loop below completes: a disconnect cancels it mid-way
         try:
             yield chunks.first(n, prompt_ids)

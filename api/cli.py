@@ -503,6 +503,13 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="name this server as a replica: every response carries it in x-vlmserve-replica",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3"],
+        help="read a <think>...</think> block in the output as message.reasoning_content (Qwen3-VL Thinking); "
+        "structured output and tool grammars apply after it",
+    )
     _add_load_args(p)
 
 
@@ -613,6 +620,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         log_level=args.uvicorn_log_level,
         replica_name=args.replica_name,
+        reasoning_parser=args.reasoning_parser,
     )
     try:
         run_server(server_args, startup)

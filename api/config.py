@@ -77,6 +77,9 @@ class ServerArgs:
     max_request_bytes: int = 64 * 1024 * 1024  # the whole JSON body, data: URLs included
     preprocess_threads: int = 2  # chat templating, tokenization and image processing off the event loop
     log_level: str = "info"
+    # "qwen3": a <think>…</think> block in the output is message.reasoning_content (as vLLM's parser of that
+    # name); None: the output is all content.
+    reasoning_parser: str | None = None
     replica_name: str | None = None  # sent as x-vlmserve-replica on every response (api/replica.py)
 
     def __post_init__(self) -> None:

@@ -22,10 +22,11 @@ async def fetch_all(media: MediaFetcher, urls: list[str]) -> list[bytes]:
             t.cancel()
 
 
-def normalize(messages: list, max_images: int) -> ChatInput:
+def normalize(messages: list, max_images: int, tools: list[dict] | None = None) -> ChatInput:
     """The messages (dicts, or the API's parsed ``Message``s) normalized (lm_engine.processor), refused if they
-    carry more images than allowed."""
+    carry more images than allowed; ``tools``: what the prompt offers the model."""
     chat = normalize_messages([m.to_engine() if hasattr(m, "to_engine") else m for m in messages])
+    chat.tools = tools
     if len(chat.images) > max_images:
         raise APIError(
             400,
@@ -44,6 +45,7 @@ async def prepare_prompt(
     max_images: int,
     executor: Executor | None = None,
     cache_salt: str = "",
+    tools: list[dict] | None = None,
 ) -> PromptInputs:
     """OpenAI-style messages (image parts as ``{"type": "image_url", "image_url": {"url", "detail"}}``) → prompt.
 
@@ -54,7 +56,7 @@ async def prepare_prompt(
     loop = asyncio.get_running_loop()
     # NOTE: on the executor too: a body of a million small messages takes seconds to walk, and on the event
     # loop those seconds would hold every other client and the balancer's health checks.
-    chat = await loop.run_in_executor(executor, normalize, messages, max_images)
+    chat = await loop.run_in_executor(executor, normalize, messages, max_images, tools)
     for image, data in zip(chat.images, await fetch_all(media, [im.source for im in chat.images])):
         image.source = data
     return await loop.run_in_executor(

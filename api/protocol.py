@@ -37,17 +37,43 @@ _Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    model_config = _STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
 
     def to_engine(self) -> dict:
         """The message as the engine's chat processing takes it; image parts keep their URL and detail."""
         role = "system" if self.role == "developer" else self.role
+        extra: dict = {}
+        if self.tool_calls:
+            extra["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
         if not isinstance(self.content, list):
-            return {"role": role, "content": self.content}  # None stays None: only an assistant may omit it
+            return {
+                "role": role,
+                "content": self.content,
+                **extra,
+            }  # None stays None: only an assistant may omit it
         parts: list[dict] = []
         for part in self.content:
             if isinstance(part, TextPart):
@@ -56,7 +82,7 @@ class Message(BaseModel):
                 spec = part.image_url
                 url, detail = (spec, "auto") if isinstance(spec, str) else (spec.url, spec.detail)
                 parts.append({"type": "image_url", "image_url": {"url": url, "detail": detail}})
-        return {"role": role, "content": parts}
+        return {"role": role, "content": parts, **extra}
 
 
 class StreamOptions(BaseModel):
@@ -93,12 +119,14 @@ class ChatCompletionRequest(BaseModel):
     # Each generated token's log-probability under the model (before penalties, bias and temperature).
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    # Options that decide what a completion must be. vlmserve has none of them; each is accepted at its
-    # default (what SDKs and agent frameworks send when unset) and refused otherwise, since ignoring it would
-    # answer something other than what was asked for (``unsupported``).
+    # Structured output and tools; api/structured.py checks them part by part (a 400 names the part).
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # Options that decide what a completion must be and that vlmserve does not have; each is accepted at its
+    # default (what SDKs and agent frameworks send when unset) and refused otherwise, since ignoring it would
+    # answer something other than what was asked for (``unsupported``).
     functions: list | None = None
     function_call: str | dict | None = None
     modalities: list[str] | None = None
@@ -119,7 +147,8 @@ class ChatCompletionRequest(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     min_tokens: int | None = Field(None, ge=0, le=MAX_INT)
-    # Refused unless unset, as the options above.
+    # vLLM's structured output: {"json" | "regex" | "choice" | "grammar": …}, and its older guided_* fields.
+    structured_outputs: dict | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -127,7 +156,6 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first option set to something vlmserve cannot do, or None."""
-        fmt = (self.response_format or {}).get("type", "text")
         checks = [
             (
                 "top_logprobs",
@@ -135,24 +163,9 @@ class ChatCompletionRequest(BaseModel):
                 "top_logprobs needs logprobs: true",
             ),
             (
-                "response_format",
-                fmt != "text",
-                f"response_format {fmt!r} is not supported: structured output is not implemented (use 'text')",
-            ),
-            (
-                "tools",
-                bool(self.tools) and self.tool_choice != "none",
-                'tool calling is not supported: send no tools, or tool_choice "none"',
-            ),
-            (
-                "tool_choice",
-                self.tool_choice not in (None, "none", "auto"),
-                'tool calling is not supported: tool_choice may only be "none" (or "auto" with no tools)',
-            ),
-            (
                 "functions",
                 bool(self.functions) and self.function_call != "none",
-                "function calling is not supported",
+                "the legacy functions field is not supported: send tools",
             ),
             (
                 "function_call",
@@ -167,8 +180,6 @@ class ChatCompletionRequest(BaseModel):
             ("audio", self.audio is not None, "audio output is not supported"),
             ("prediction", self.prediction is not None, "predicted outputs are not supported"),
         ]
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            checks.append((name, getattr(self, name) is not None, "guided decoding is not supported"))
         return next(((name, message) for name, bad, message in checks if bad), None)
 
 
@@ -229,9 +240,22 @@ class Usage(BaseModel):
     )
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):

@@ -36,6 +36,7 @@ from lm_engine.sampling_params import SamplingParams
 from lm_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from lm_engine.sequence import ImageItem, Sequence, SequenceStatus
 from lm_engine.startup import StartupPhases
+from lm_engine.structured import GrammarError, GrammarMasks, Grammars, GrammarState
 from lm_engine.visual_budget import default_ladder
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
 
@@ -119,6 +120,8 @@ class LLMEngine:
         self.images = EncodedImages(self.vision, self.runner.place, local.layout)
         eos = set(self.model_config.eos_token_ids)
         self.outputs = OutputProcessor(self.processor.decode, eos, self.max_model_len, self.load.level_of)
+        self.grammars = Grammars(self.processor.tokenizer, self.model_config.vocab_size, sorted(eos))
+        self.masks = GrammarMasks(self.grammars.width)
         self.requests: dict[str, RequestState] = {}
         self.step_count = 0
         self.startup_phases = dict(phases.phases)  # phase → seconds; they add up to the whole start
@@ -153,6 +156,7 @@ class LLMEngine:
             )
         n_prompt = len(prompt.token_ids)
         self._check_fits(n_prompt)
+        grammar = self._grammar(params)
         ticket = ticket or self.admission.admit(n_prompt, client_key)
         seq = Sequence(
             request_id=request_id,
@@ -169,6 +173,8 @@ class LLMEngine:
         )
         if params.seed is not None:
             seq.generator = self._generator(params.seed)
+        if grammar is not None:
+            seq.grammar = GrammarState(grammar.matcher(), params.grammar_after)
         state = RequestState(
             request_id, params, [seq], prompt.token_ids, prompt.images, dict(prompt.image_data), ticket=ticket
         )
@@ -190,6 +196,18 @@ class LLMEngine:
                 param="messages",
                 code="context_length_exceeded",
             )
+
+    def _grammar(self, params: SamplingParams):
+        """The request's compiled grammar (None: unconstrained). A cache hit where the caller compiled it
+        already, on its own thread (``self.grammars.compile``), as the server does."""
+        if params.grammar is None:
+            return None
+        try:
+            return self.grammars.compile(params.grammar)
+        except GrammarError as exc:
+            raise InputError(
+                f"the grammar cannot be compiled: {exc}", param="grammar", code="invalid_grammar"
+            ) from None
 
     def _generator(self, seed: int) -> torch.Generator:
         """A seeded request's own generator, on the device its logits are sampled on."""
@@ -251,7 +269,16 @@ class LLMEngine:
         been in the step. A failure no single request explains is the engine's and is raised."""
         self.step_count += 1
         faults: dict[str, BaseException] = {}
+        # NOTE: the masks of the constrained rows compute on a worker thread while the forward pass runs.
+        masks = self.masks.start([c.seq.grammar for c in sched.chunks if c.completes and c.seq.grammar])
         completing, logits = self._execute(sched, faults)
+        raw = logits  # what logprobs are read from: the model's own distribution, masks or not
+        if masks is not None:
+            if any(c.seq.grammar and c.seq.params.logprobs is not None for c in completing):
+                raw = logits.clone()
+            broken = masks.apply(logits, [c.seq.grammar for c in completing])
+            for row in broken:
+                faults[completing[row].seq.request_id] = GrammarError("the grammar allows no next token")
         for chunk in sched.chunks:
             if chunk.seq.request_id in faults:
                 continue
@@ -262,20 +289,16 @@ class LLMEngine:
         touched = {s.request_id for s in sched.preempted}
         if seqs:
             if rows != list(range(len(completing))):  # forked choices sample from their parent's row
-                logits = logits.index_select(0, to_device(torch.tensor(rows), logits.device))
+                logits, raw = _rows(logits, raw, rows)
             now = self.clock()
             eos = self.outputs.eos_ids
             tokens = self._isolated(lambda j: sample(logits[j], seqs[j], eos), seqs, faults)
             live = [j for j, s in enumerate(seqs) if s.request_id not in faults]
             if len(live) < len(seqs):
                 seqs, tokens = [seqs[j] for j in live], [tokens[j] for j in live]
-                logits = logits.index_select(
-                    0, to_device(torch.tensor(live, dtype=torch.long), logits.device)
-                )
+                logits, raw = _rows(logits, raw, live)
             if any(s.params.logprobs is not None for s in seqs):
-                entries = self._isolated(
-                    lambda j: token_logprobs(logits[j], seqs[j], tokens[j]), seqs, faults
-                )
+                entries = self._isolated(lambda j: token_logprobs(raw[j], seqs[j], tokens[j]), seqs, faults)
                 self._record_logprobs(seqs, entries, tokens, faults)
             for seq, tok in zip(seqs, tokens):
                 if seq.request_id in faults:
@@ -285,15 +308,29 @@ class LLMEngine:
                     if seq.index == 0:
                         self.load.first_token(now - seq.arrival_time)
                 try:
-                    if self.outputs.append(seq, tok):
+                    if seq.grammar is not None and not seq.grammar.advance(tok):
+                        raise GrammarError(
+                            f"the grammar refused token {tok}: {seq.grammar.matcher.get_error()}"
+                        )
+                    if self.outputs.append(seq, tok) or self._grammar_done(seq):
                         self.scheduler.finish(seq)
-                except Exception as exc:  # detokenizing, stop strings: this request's own
+                except Exception as exc:  # detokenizing, stop strings, its grammar: this request's own
                     _raise_if_engine_fault(exc)
                     faults[seq.request_id] = exc
                     continue
                 touched.add(seq.request_id)
         failed = [self._fault(self.requests[rid], exc) for rid, exc in faults.items() if rid in self.requests]
         return failed + [self._output(self.requests[rid]) for rid in touched - faults.keys()]
+
+    def _grammar_done(self, seq: Sequence) -> bool:
+        """A sequence whose grammar is complete ends here ("stop"): the only token left to it is the end."""
+        if seq.grammar is None:
+            return False
+        seq.grammar.notice(seq.output_text)
+        if not seq.grammar.stopped:
+            return False
+        self.outputs.finish(seq, "stop")
+        return True
 
     def _execute(
         self, sched: SchedulerOutput, faults: dict[str, BaseException]
@@ -428,6 +465,7 @@ class LLMEngine:
             state.image_data.clear()
 
     def close(self) -> None:
+        self.masks.close()
         self.vision.close()
         if self.preprocess_pool is not None:
             self.preprocess_pool.close()
@@ -441,6 +479,13 @@ class LLMEngine:
             assert not seq.block_table and seq.seq_id not in running_ids
         held = {im.key for st in self.requests.values() for im in st.images}
         assert set(self.images.ready) <= held and set(self.images.failed) <= held
+
+
+def _rows(logits: torch.Tensor, raw: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of the logits sampled from and of the unmasked ones logprobs read (often the same tensor)."""
+    index = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+    picked = logits.index_select(0, index)
+    return picked, (picked if raw is logits else raw.index_select(0, index))
 
 
 def _raise_if_engine_fault(exc: Exception) -> None:

@@ -75,6 +75,11 @@ class OutputProcessor:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         return True
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` for a reason of the caller's (its grammar is complete), its text whole."""
+        flush(seq, self.decode)
+        seq.finish_reason = reason
+
     def output(self, state: RequestState) -> RequestOutput:
         """What the request's choices hold now, with the deltas since its last output. Text that could still
         turn out to be the start of a stop string is held back until it cannot."""

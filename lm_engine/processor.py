@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import json
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from cache import EmbeddingKey
 from lm_engine.models.qwen2_vl import mrope_positions
 from lm_engine.models.registry import ModelConfig
 from lm_engine.sequence import ImageItem
+from lm_engine.tool_prompt import has_tool_turns, with_tools
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
 from preprocess.hashing import DEFAULT_HASH, check_algorithm
 
@@ -49,6 +51,7 @@ class ChatInput:
 
     messages: list[dict]
     images: list[ImageInput]
+    tools: list[dict] | None = None  # OpenAI tool objects the prompt offers the model (None: none)
 
 
 @dataclass(slots=True)
@@ -127,8 +130,9 @@ def normalize_messages(messages: list[dict]) -> ChatInput:
         content = msg.get("content")
         if content is None and msg["role"] != "assistant":
             raise InputError(f"messages[{i}].content must not be null", param="messages")
+        calls = {k: msg[k] for k in ("tool_calls", "tool_call_id") if msg.get(k) is not None}
         if content is None or isinstance(content, str):
-            out.append({"role": msg["role"], "content": content or ""})
+            out.append({"role": msg["role"], "content": content or "", **calls})
             continue
         if not isinstance(content, list):
             raise InputError(f"messages[{i}].content must be a string or a list of parts", param="messages")
@@ -148,8 +152,25 @@ def normalize_messages(messages: list[dict]) -> ChatInput:
                 )
             else:
                 raise InputError(f"messages[{i}]: unsupported content part type {kind!r}", param="messages")
-        out.append({"role": msg["role"], "content": parts})
+        out.append({"role": msg["role"], "content": parts, **calls})
     return ChatInput(out, images)
+
+
+def _parsed_arguments(messages: list[dict]) -> list[dict]:
+    """Assistant tool calls with their arguments as objects, as the Qwen templates print them (``tojson``);
+    OpenAI sends them as JSON text."""
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            calls = []
+            for call in msg["tool_calls"]:
+                fn = dict(call.get("function", {}))
+                with contextlib.suppress(TypeError, ValueError):
+                    fn["arguments"] = json.loads(fn.get("arguments", "{}"))
+                calls.append({**call, "function": fn})
+            msg = {**msg, "tool_calls": calls}
+        out.append(msg)
+    return out
 
 
 def _text_chars(messages: list[dict]) -> int:
@@ -208,7 +229,10 @@ class InputProcessor:
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = _raise
-        self.template = env.from_string(_load_chat_template(path))
+        source = _load_chat_template(path)
+        self.template = env.from_string(source)
+        # A template that reads `tools` renders them (and tool turns) its own way; others get tool_prompt's.
+        self.template_has_tools = "tools" in source
         self.preprocess_config = preprocess_config
         self.preprocess_fingerprint = preprocess_config.fingerprint()
         self.model_fingerprint = ""  # set once the vision weights are loaded
@@ -217,7 +241,13 @@ class InputProcessor:
         self.max_prompt_tokens = 0  # set by the engine once the context is known; 0: no early bound
         self.longest_token = max(len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        if self.template_has_tools:
+            return self.template.render(
+                messages=_parsed_arguments(messages), tools=tools, add_generation_prompt=True
+            )
+        if tools or has_tool_turns(messages):
+            messages = with_tools(messages, tools)
         return self.template.render(messages=messages, add_generation_prompt=True)
 
     def process_chat(
@@ -242,7 +272,7 @@ class InputProcessor:
                 param="messages",
                 code="context_length_exceeded",
             )
-        ids = self.tokenizer.encode(self.render(chat.messages), add_special_tokens=False).ids
+        ids = self.tokenizer.encode(self.render(chat.messages, chat.tools), add_special_tokens=False).ids
         pad = self.cfg.image_token_id
         if ids.count(pad) != len(chat.images):
             raise InputError("the number of image placeholders does not match the number of images")

@@ -37,6 +37,10 @@ class SamplingParams:
     logprobs: int | None = (
         None  # None: none; k: each token's log-probability and the k likeliest alternatives
     )
+    # Structured output: the grammar the output must match, as llguidance text (lm_engine/structured.py
+    # makes it from a JSON schema, a regex, choices or Lark); tokens it does not allow are masked.
+    grammar: str | None = None
+    grammar_after: str | None = None  # the grammar applies once the output holds this (e.g. "</think>")
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -96,6 +100,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.grammar is not None and self.min_tokens:
+            # NOTE: a complete grammar allows only the end-of-sequence token, which min_tokens bars.
+            raise ValueError("min_tokens cannot be combined with structured output")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -11,6 +11,7 @@ import torch
 
 from cache import EmbeddingKey
 from lm_engine.sampling_params import SamplingParams
+from lm_engine.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -72,6 +73,7 @@ class Sequence:
     block_chain: list = field(default_factory=list)
     generator: torch.Generator | None = None
     logprobs: list | None = None  # TokenLogprob per generated token, when its params ask for them
+    grammar: GrammarState | None = None  # its matcher, when its params constrain the output
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     output_text: str = ""
@@ -126,6 +128,7 @@ class Sequence:
             block_chain=list(self.block_chain),
             generator=None,
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            grammar=None if self.grammar is None else self.grammar.fork(),
             num_preemptions=0,
             first_admitted=True,
         )

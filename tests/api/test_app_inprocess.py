@@ -144,7 +144,9 @@ def test_an_oversized_prompt_is_refused_before_the_template_and_tokenizer(tiny_c
         processor = client.app.state.engine.engine.processor
         rendered: list[int] = []
         render = processor.render
-        processor.render = lambda messages: rendered.append(len(str(messages))) or render(messages)
+        processor.render = lambda messages, *tools: (
+            rendered.append(len(str(messages))) or render(messages, *tools)
+        )
         huge = {**CHAT, "messages": [{"role": "user", "content": "word " * 800_000}]}  # 4 MB
         resp = client.post("/v1/chat/completions", json=huge)
         assert resp.status_code == 400

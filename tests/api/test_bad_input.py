@@ -120,26 +120,16 @@ TOOL = {
     "options, param",
     [
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-            "response_format",
-        ),
-        ({"tools": [TOOL]}, "tools"),
-        ({"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-        ({"tools": [TOOL], "tool_choice": "required"}, "tools"),
-        ({"tool_choice": {"type": "function", "function": {"name": "weather"}}}, "tool_choice"),
         ({"functions": [TOOL["function"]]}, "functions"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
         ({"prediction": {"type": "content", "content": "hi"}}, "prediction"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"guided_choice": ["yes", "no"]}, "guided_choice"),
     ],
 )
 def test_options_that_would_change_the_answer_are_refused(server, options, param):
-    """Structured output, tool calls, logprobs, …: vlmserve does none of them, and answering as if they had not
-    been asked would hand back something other than what was asked for. Streaming or not."""
+    """Legacy functions, audio, predicted outputs, …: vlmserve does none of them, and answering as if they had
+    not been asked would hand back something other than what was asked for. Streaming or not. (Structured output
+    and tools: tests/api/test_structured_output.py.)"""
     for stream in (False, True):
         err = assert_error(server.post_chat({**OK, **options, "stream": stream}), 400, "unsupported")
         assert err["param"] == param, err
