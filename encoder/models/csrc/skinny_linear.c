@@ -188,12 +188,15 @@ int vlm_skinny_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
     if (path != 1 && (path != 2 || !HAVE_BF16DOT)) return -2;
 #if HAVE_BF16DOT
     const int64_t blocks = n / BLOCK;
-    /* units of 2 blocks: 2 · 32 · k · 2 bytes each (196 KB at k 1,536), a few dozen at the smallest layer */
+    /* units of 2 blocks: 2 · 32 · k · 2 bytes each (196 KB at k 1,536), a few dozen at the smallest layer, handed
+     * out one at a time: where a neighbour slows one vCPU the other takes more (with a static split the start-up
+     * probe lost to oneDNN in 1 of 3 runs during a test suite on the other vCPU; dynamic won 3 of 3, and on a
+     * quiet machine the 2B step's linears took 106.9 ms against oneDNN's 113.3, benchmarks/skinny_linear.py) */
     const int64_t per = 2, units = (blocks + per - 1) / per;
     if (threads < 1) threads = 1;
     if (threads > units) threads = units;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads((int)threads) schedule(static)
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 1)
 #endif
     for (int64_t u = 0; u < units; u++) {
         const int64_t b0 = u * per, b1 = b0 + per < blocks ? b0 + per : blocks;
