@@ -67,7 +67,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "skinny_linear")
     args = ap.parse_args()
 
-    torch.set_num_threads(torch.get_num_threads())
     found = packing.skinny_library()
     if found is None or not packing.native_bf16() or not packing.skinny_layout_checked():
         sys.exit("the few-row kernel does not apply on this machine (no AMX/AVX512-BF16, or oneDNN's layout)")

@@ -48,6 +48,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         # the few-row kernel (skinny_linear.c) on the same buffer, where it applies to this weight's layout
         self.skinny = skinny_path(linear.weight, self.bias, self.packed)
+        # the buffer never moves: its address is read once, not on every call
+        self.address = int(torch.ops.mkldnn.data_ptr(self.packed)) if self.skinny else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.skinny and x.dim() >= 2 and x.numel() <= SKINNY_ROWS * self.in_features and x.numel():
@@ -378,8 +380,7 @@ def skinny_linear(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """``linear(x)`` for up to :data:`SKINNY_ROWS` rows on skinny_linear.c, reading the packed buffer once."""
     if x.dtype != torch.bfloat16 or x.shape[-1] != linear.in_features:
         return torch.ops.mkldnn._linear_pointwise(x, linear.packed, linear.bias, "none", [], "")
-    address = int(torch.ops.mkldnn.data_ptr(linear.packed))
-    return skinny_call(x, address, linear.out_features, linear.bias, linear.skinny)
+    return skinny_call(x, linear.address, linear.out_features, linear.bias, linear.skinny)
 
 
 @functools.cache
@@ -403,24 +404,19 @@ def _time_skinny(rounds: int) -> bool:
     machine."""
     n, k = SKINNY_PROBE_SHAPE
     weight = torch.randn(n, k).to(torch.bfloat16)
-    packed = PackedLinear.__new__(PackedLinear)
-    nn.Module.__init__(packed)
-    packed.in_features, packed.out_features = k, n
-    packed.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    packed.bias = None
-    packed.skinny = skinny_library()[1] if vnni_layout(weight, packed_words(packed.packed)) else 0
-    del weight
-    if not (packed.skinny and skinny_layout_checked()):
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    words = packed_words(packed)
+    if not (skinny_layout_checked() and vnni_layout(weight, words)):
         return False
+    del weight
+    path, address = skinny_library()[1], words.data_ptr()
     ratio = 1.0
     with torch.no_grad():
         for rows in (1, 16):
             x = torch.randn(rows, k).to(torch.bfloat16)
             calls = {
-                "onednn": lambda x=x: torch.ops.mkldnn._linear_pointwise(
-                    x, packed.packed, None, "none", [], ""
-                ),
-                "skinny": lambda x=x: skinny_linear(packed, x),
+                "onednn": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+                "skinny": lambda x=x: skinny_call(x, address, n, None, path),
             }
             best = best_times(calls, rounds)
             log.info(
