@@ -44,6 +44,10 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     norm.restype = ctypes.c_int
     # x, weight, out, rows, cols, eps, dtype, threads
     norm.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _I64, _I64]
+    rope = lib.vlm_rope_heads
+    rope.restype = ctypes.c_int
+    # x, cos, sin, q weight, k weight, rows, stride, heads, q heads, head dim, eps, threads
+    rope.argtypes = [_PTR] * 5 + [_I64] * 5 + [ctypes.c_float, _I64]
     act = lib.vlm_bias_quick_gelu
     act.restype = ctypes.c_int
     # x, bias, rows, cols, dtype, threads
@@ -287,6 +291,50 @@ def silu_mul(
         torch.get_num_threads() if threads is None else threads,
     )
     return out
+
+
+def rope_heads(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norms: tuple[int, torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """In place on bfloat16 ``x`` [rows, width] (rows contiguous): its first ``heads`` heads of ``head_dim``
+    become ``x·cos + rotate_half(x)·sin`` (``cos``/``sin`` [rows, head_dim]), each op rounded to bfloat16 as torch
+    computes it; with ``norms`` = (q_heads, q_weight, k_weight, eps) each head is first RMS-normed with its
+    weight, as :func:`rms_norm` computes it. One pass, on the calling thread alone (a decode step's few rows)."""
+    rows, width = x.shape
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(f"rope_heads: unsupported {x.dtype} {x.device} input of strides {x.stride()}")
+    if width < heads * head_dim:
+        raise ValueError(f"rope_heads: {heads} heads of {head_dim} do not fit a row of {width}")
+    if cos.shape != (rows, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"rope_heads: cos/sin must be [{rows}, {head_dim}], got {tuple(cos.shape)}")
+    cos, sin = cos.to(x.dtype).contiguous(), sin.to(x.dtype).contiguous()
+    q_heads, wq, wk, eps = norms if norms is not None else (0, None, None, 0.0)
+    if norms is not None:
+        if wq.shape != (head_dim,) or wk.shape != (head_dim,) or wq.dtype != x.dtype or wk.dtype != x.dtype:
+            raise ValueError(f"rope_heads: norm weights must be bfloat16 [{head_dim}]")
+        wq, wk = wq.contiguous(), wk.contiguous()
+    _run(
+        lib.vlm_rope_heads,
+        "rope_heads",
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        None if wq is None else wq.data_ptr(),
+        None if wk is None else wk.data_ptr(),
+        rows,
+        x.stride(0),
+        heads,
+        q_heads,
+        head_dim,
+        eps,
+        1,
+    )
 
 
 POOLS = {"vision": 0, "prefill": 1}  # the library's thread pools: the tower's and the decoder's own

@@ -143,11 +143,12 @@ STEP_KERNEL_ELEMS = 1 << 16
 
 
 def use_step_kernels(module: nn.Module, lib) -> int:
-    """Hand the compiled library (``encoder.attention.cpu_kernel.load()``) to every decoder norm and MLP under
+    """Hand the compiled library (``encoder.attention.cpu_kernel.load()``) to every decoder norm, MLP and attention under
     ``module`` (CPU, bfloat16 only: elsewhere they keep torch's ops); returns how many took it."""
     taken = 0
     for child in module.modules():
-        if isinstance(child, (RMSNorm, MLP)) and child.take_lib(lib):
+        take = getattr(child, "take_lib", None)  # the norms, MLPs and attentions of each family
+        if take is not None and take(lib):
             taken += 1
     return taken
 
@@ -205,6 +206,22 @@ class MRotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def step_rotary(lib, qkv: torch.Tensor, heads: int, head_dim: int, cos, sin, norms=None) -> bool:
+    """Rotate (and with ``norms``, RMS-norm first: see :func:`cpu_kernel.rope_heads`) the first ``heads`` heads of a
+    decode step's fused projection in place on the compiled library, where it was handed one and the step is
+    small; ``False``: the caller runs torch's ops. The same rounding as torch's: tests/lm_engine/test_step_kernels.py
+    """
+    if (
+        lib is None
+        or qkv.dtype != torch.bfloat16
+        or qkv.numel() > STEP_KERNEL_ELEMS
+        or cos.dtype != qkv.dtype
+    ):
+        return False
+    cpu_kernel.rope_heads(lib, qkv, heads, head_dim, cos, sin, norms)
+    return True
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -221,10 +238,26 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=True)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
+        self.lib = None
+
+    def take_lib(self, lib) -> bool:
+        weight = next(
+            self.o_proj.parameters(), None
+        )  # a packed layer may hold none: the step's dtype decides
+        if lib is None or (weight is not None and weight.device.type != "cpu"):
+            return False
+        self.lib = lib
+        return True
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin):
+            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            return self.o_proj(out.reshape(t, self.q_size))
         # q's and k's heads rotated together: the same ops on every element, once instead of twice
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)

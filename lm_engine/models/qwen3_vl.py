@@ -17,7 +17,14 @@ from torch import nn
 
 from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
-from lm_engine.models.qwen2_vl import _DTYPES, MLP, MRotaryEmbedding, RMSNorm, _rotate_half
+from lm_engine.models.qwen2_vl import (
+    _DTYPES,
+    MLP,
+    MRotaryEmbedding,
+    RMSNorm,
+    _rotate_half,
+    step_rotary,
+)
 
 
 @dataclass(slots=True)
@@ -121,10 +128,31 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim**-0.5
+        self.lib = None
+
+    def take_lib(self, lib) -> bool:
+        if lib is None or self.q_norm.weight.device.type != "cpu":
+            return False
+        self.lib = lib
+        return True
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        norms = (self.num_heads, self.q_norm.weight.detach(), self.k_norm.weight.detach(), self.q_norm.eps)
+        if step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin, norms):
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            out = backend.forward(
+                q.view(t, self.num_heads, self.head_dim),
+                k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim),
+                k_cache,
+                v_cache,
+                meta,
+                self.scale,
+            )
+            return self.o_proj(out.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)

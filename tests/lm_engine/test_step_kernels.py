@@ -82,7 +82,126 @@ def test_engine_takes_the_step_kernels_in_bf16_only(tiny_ckpt):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for dtype, expect in (("bfloat16", True), ("float32", False)):
         with LLM(str(tiny_ckpt), dtype=dtype, num_kv_blocks=64, max_num_batched_tokens=64) as llm:
-            mods = [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, MLP))]
+            mods = [
+                m
+                for m in llm.engine.runner.model.modules()
+                if isinstance(m, (RMSNorm, MLP, qwen2_vl.Attention))
+            ]
             assert mods and all((m.lib is not None) == expect for m in mods), dtype
             outs = llm.chat(convs, params)
             assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor of heads [T, H, D] in its dtype: the oracle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.unsqueeze(1) + torch.cat((-x2, x1), dim=-1) * sin.unsqueeze(1)
+
+
+def step_inputs(rows: int, heads: int, width: int, d: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(rows, width, generator=gen) * 4).to(torch.bfloat16)
+    angles = torch.randn(rows, d // 2, generator=gen) * 50  # positions far out: cos and sin of every sign
+    angles = torch.cat([angles, angles], dim=-1)
+    return qkv, angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 5, 17])
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_rope_heads_is_torchs_rotary_to_the_bit(rows, d):
+    heads, v_heads = 6, 2
+    qkv, cos, sin = step_inputs(rows, heads, (heads + v_heads) * d, d, seed=rows * d)
+    want = torch_rotary(qkv[:, : heads * d].view(rows, heads, d), cos, sin)
+    before = qkv.clone()
+    cpu_kernel.rope_heads(LIB, qkv, heads, d, cos, sin)
+    assert torch.equal(qkv[:, : heads * d].view(rows, heads, d), want)
+    assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])  # v untouched
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 4])
+def test_rope_heads_with_norms_is_qwen3s_q_k_norm_then_rotary(rows):
+    d, q_heads, k_heads = 128, 16, 8
+    qkv, cos, sin = step_inputs(rows, q_heads + k_heads, (q_heads + 2 * k_heads) * d, d, seed=7 + rows)
+    gen = torch.Generator().manual_seed(11)
+    q_norm, k_norm = RMSNorm(d, 1e-6).to(torch.bfloat16), RMSNorm(d, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(d, generator=gen) * 2)
+        k_norm.weight.copy_(torch.rand(d, generator=gen) * 2)
+        q = torch_norm(q_norm, qkv[:, : q_heads * d].view(rows, q_heads, d))
+        k = torch_norm(k_norm, qkv[:, q_heads * d : (q_heads + k_heads) * d].view(rows, k_heads, d))
+    want = torch.cat([torch_rotary(q, cos, sin), torch_rotary(k, cos, sin)], dim=1)
+    norms = (q_heads, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+    cpu_kernel.rope_heads(LIB, qkv, q_heads + k_heads, d, cos, sin, norms)
+    got = qkv[:, : (q_heads + k_heads) * d].view(rows, q_heads + k_heads, d)
+    # the norm's sum of squares is added in another order (as the norm kernel's): rare one-step differences
+    assert (got != want).float().mean() < 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@needs_lib
+def test_rope_heads_refuses_what_it_cannot_rotate():
+    qkv, cos, sin = step_inputs(2, 2, 256, 128, seed=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernel.rope_heads(LIB, qkv, 3, 128, cos, sin)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_kernel.rope_heads(LIB, qkv.float(), 2, 128, cos, sin)
+    with pytest.raises(ValueError, match="cos/sin"):
+        cpu_kernel.rope_heads(LIB, qkv, 2, 128, cos[:1], sin[:1])
+    with pytest.raises(RuntimeError, match="code -3"):  # an odd head size: no halves to swap
+        cpu_kernel.rope_heads(LIB, qkv[:, :255], 3, 85, cos[:, :85], sin[:, :85])
+
+
+@needs_lib
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_decoder_attention_takes_the_rope_kernel_for_steps_only(family, monkeypatch):
+    """One attention layer, bf16: the kernel's output equals the torch path's, and a prefill-sized input keeps
+    torch's ops."""
+    from lm_engine.models import qwen3_vl
+
+    if family == "qwen2":
+        cfg = qwen2_vl.Qwen2VLConfig.__new__(qwen2_vl.Qwen2VLConfig)
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads = 256, 4, 2
+        attn = qwen2_vl.Attention(cfg)
+    else:
+        cfg = qwen3_vl.Qwen3VLConfig.__new__(qwen3_vl.Qwen3VLConfig)
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 256, 4, 2, 64
+        cfg.attention_bias, cfg.rms_norm_eps = False, 1e-6
+        attn = qwen3_vl.Attention(cfg)
+        with torch.no_grad():
+            attn.q_norm.weight.uniform_(0.5, 1.5)
+            attn.k_norm.weight.uniform_(0.5, 1.5)
+    attn = attn.to(torch.bfloat16)
+    seen = []
+
+    class Backend:
+        def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+            seen.append((q.clone(), k.clone(), v.clone()))
+            return q.reshape(q.shape[0], -1).clone()
+
+    calls = []
+    real = cpu_kernel.rope_heads
+    monkeypatch.setattr(cpu_kernel, "rope_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    d = attn.head_dim
+    for rows, kernel in ((3, True), (STEP_KERNEL_ELEMS // 512 + 1, False)):
+        x = torch.randn(rows, 256).to(torch.bfloat16)
+        angles = torch.randn(rows, d // 2) * 20
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+        seen.clear(), calls.clear()
+        attn.lib = None
+        with torch.no_grad():
+            attn(x, cos, sin, None, None, None, Backend())
+        assert not calls
+        assert attn.take_lib(LIB)
+        with torch.no_grad():
+            attn(x, cos, sin, None, None, None, Backend())
+        assert bool(calls) == kernel
+        (q0, k0, v0), (q1, k1, v1) = seen
+        assert torch.equal(v0, v1)
+        if family == "qwen2" or not kernel:
+            assert torch.equal(q0, q1) and torch.equal(k0, k1)
+        else:
+            assert (q0 != q1).float().mean() < 2e-3 and (k0 != k1).float().mean() < 2e-3
+            torch.testing.assert_close(q1.float(), q0.float(), atol=1e-2, rtol=1.6e-2)
