@@ -68,9 +68,10 @@ def main() -> None:
     args = ap.parse_args()
 
     found = packing.skinny_library()
-    if found is None or not packing.native_bf16() or not packing.skinny_layout_checked():
+    block = packing.skinny_layout_block()
+    if found is None or not packing.native_bf16() or not block:
         sys.exit("the few-row kernel does not apply on this machine (no AMX/AVX512-BF16, or oneDNN's layout)")
-    path = found[1]
+    path = packing.skinny_code(found[1], block)
     shapes = decoder_shapes(args.preset)
     total = sum(n * k * 2 for n, k, _ in shapes)
     print(f"{args.preset}: {len(shapes)} linear layers, {total / 1e9:.2f} GB of bfloat16 weights", flush=True)

@@ -261,13 +261,15 @@ def pack_linears(module: nn.Module, pool: str = "vision") -> int:
 SKINNY_ROWS = 16  # the most rows skinny_linear.c takes in one call (an AMX tile's rows)
 SKINNY_PROBE_SHAPE = (8192, 8192)  # the weight :func:`_time_skinny` times the kernel on
 _SKINNY_SOURCE = Path(__file__).parent / "csrc" / "skinny_linear.c"
-_SKINNY_PATHS = {"amx": 1, "avx512-bf16": 2}
+# skinny_linear.c's paths: AMX tiles on 32-output blocks, AVX512-BF16 dot products on 32- or 64-output blocks
+_SKINNY_PATHS = {("amx", 32): 1, ("avx512-bf16", 32): 2, ("avx512-bf16", 64): 3}
+SKINNY_BLOCKS = (32, 64)  # the layouts [n/B][k/2][B][2] oneDNN was seen to pack: 32 with AMX, 64 without
 
 
 @functools.cache
 def skinny_library() -> tuple[ctypes.CDLL, int] | None:
-    """The few-row kernel and the path it runs here (1: AMX, 2: AVX512-BF16 dot products), or ``None``: no
-    compiler, neither instruction set, or ``VLMSERVE_SKINNY_LINEAR=0``."""
+    """The few-row kernel and the instruction set it runs here (``"amx"`` or ``"avx512-bf16"`` dot products), or
+    ``None``: no compiler, neither instruction set, or ``VLMSERVE_SKINNY_LINEAR=0``."""
     if switched_off("VLMSERVE_SKINNY_LINEAR"):
         return None
     lib = load_library(_SKINNY_SOURCE, openmp=True)
@@ -277,10 +279,18 @@ def skinny_library() -> tuple[ctypes.CDLL, int] | None:
     lib.vlm_skinny_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i64, i64]
     lib.vlm_skinny_linear.restype = ctypes.c_int
     if lib.vlm_skinny_amx_ready():
-        return lib, _SKINNY_PATHS["amx"]
+        return lib, "amx"
     if lib.vlm_skinny_bf16dot():
-        return lib, _SKINNY_PATHS["avx512-bf16"]
+        return lib, "avx512-bf16"
     return None
+
+
+def skinny_code(isa: str, block: int) -> int:
+    """skinny_linear.c's path for a layout of ``block``-output blocks on ``isa``, or 0: none reads it (AMX tiles
+    read only 32-output blocks; on another block an AMX machine runs the dot products)."""
+    if isa == "amx" and block != 32:
+        isa = "avx512-bf16"
+    return _SKINNY_PATHS.get((isa, block), 0)
 
 
 def packed_words(packed: torch.Tensor) -> torch.Tensor | None:
@@ -298,14 +308,16 @@ def packed_words(packed: torch.Tensor) -> torch.Tensor | None:
     return words
 
 
-def vnni_offsets(rows: torch.Tensor, cols: torch.Tensor, k: int) -> torch.Tensor:
-    """Where weight[rows, cols] lies in skinny_linear.c's layout [n/32][k/2][32][2] (in 16-bit words)."""
-    return (rows // 32) * 32 * k + (cols // 2) * 64 + (rows % 32) * 2 + cols % 2
+def vnni_offsets(rows: torch.Tensor, cols: torch.Tensor, k: int, block: int = 32) -> torch.Tensor:
+    """Where weight[rows, cols] lies in the layout [n/B][k/2][B][2], B = ``block`` (in 16-bit words)."""
+    return (rows // block) * block * k + (cols // 2) * 2 * block + (rows % block) * 2 + cols % 2
 
 
-def vnni_layout(weight: torch.Tensor, words: torch.Tensor | None, samples: int = 4096) -> bool:
+def vnni_layout(
+    weight: torch.Tensor, words: torch.Tensor | None, block: int = 32, samples: int = 4096
+) -> bool:
     """Whether ``words`` (:func:`packed_words` of oneDNN's packing of ``weight``, [n, k] bfloat16) hold it as
-    [n/32][k/2][32][2] with no padding: their size, and the words at both ends and at ``samples`` random places.
+    [n/B][k/2][B][2] (B = ``block``) with no padding: their size, and the words at both ends and at ``samples`` random places.
     (oneDNN picks its layout per ISA and shape; the kernel runs only on a weight whose layout was seen to be this
     one. A weight whose values repeat could pass with another layout; :func:`skinny_layout_checked` also packs a
     weight of distinct values once a process.)"""
@@ -316,42 +328,53 @@ def vnni_layout(weight: torch.Tensor, words: torch.Tensor | None, samples: int =
     gen = torch.Generator().manual_seed(n * 131 + k)
     rows = torch.cat([torch.tensor([0, n - 1, n - 1, 0]), torch.randint(0, n, (samples,), generator=gen)])
     cols = torch.cat([torch.tensor([0, k - 1, 0, k - 1]), torch.randint(0, k, (samples,), generator=gen)])
-    return bool(torch.equal(words[vnni_offsets(rows, cols, k)], plain[rows, cols]))
+    return bool(torch.equal(words[vnni_offsets(rows, cols, k, block)], plain[rows, cols]))
 
 
 @functools.cache
-def skinny_layout_checked(n: int = 96, k: int = 160) -> bool:
-    """oneDNN's layout on a weight whose every entry tells its place apart (row and column in two weights of
-    small integers, exact in bfloat16), once a process: the layout :func:`vnni_layout` samples is this one."""
+def skinny_layout_block(n: int = 192, k: int = 160) -> int:
+    """The block B of oneDNN's layout [n/B][k/2][B][2] here (one of :data:`SKINNY_BLOCKS`), or 0 for another
+    layout: seen once a process on weights whose every entry tells its place apart (row and column in two
+    weights of small integers, exact in bfloat16). :func:`vnni_layout` then samples each real weight."""
     rows = torch.arange(n).view(n, 1).expand(n, k)
     cols = torch.arange(k).view(1, k).expand(n, k)
+    packed = []
     for index in (rows, cols):
         w = index.to(torch.bfloat16).contiguous()
         words = packed_words(torch.ops.mkldnn._reorder_linear_weight(w, None))
         if words is None or words.numel() != n * k:
-            return False
-        r, c = rows.reshape(-1), cols.reshape(-1)
-        if not torch.equal(words[vnni_offsets(r, c, k)], w.view(torch.int16).reshape(-1)):
-            return False
-    return True
+            return 0
+        packed.append((w.view(torch.int16).reshape(-1), words))
+    r, c = rows.reshape(-1), cols.reshape(-1)
+    for block in SKINNY_BLOCKS:
+        offsets = vnni_offsets(r, c, k, block)
+        if all(torch.equal(words[offsets], plain) for plain, words in packed):
+            return block
+    return 0
 
 
 def skinny_path(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int:
     """The path of skinny_linear.c that runs this packed weight's calls of up to :data:`SKINNY_ROWS` rows, or 0:
     the library, the shape (multiples of 32), the layout (:func:`vnni_layout`) and a one-time timing
     (:func:`skinny_is_faster`) must all allow it."""
-    found = skinny_library()
+    found, block = skinny_library(), skinny_layout_block()
     n, k = weight.shape
-    if found is None or n % 32 or k % 32 or (bias is not None and bias.dtype != torch.bfloat16):
+    if (
+        found is None
+        or not block
+        or n % block
+        or k % 32
+        or (bias is not None and bias.dtype != torch.bfloat16)
+    ):
         return 0
-    if not (skinny_layout_checked() and vnni_layout(weight, packed_words(packed)) and skinny_is_faster()):
+    if not (vnni_layout(weight, packed_words(packed), block) and skinny_is_faster()):
         return 0
-    return found[1]
+    return skinny_code(found[1], block)
 
 
 def skinny_call(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None, path: int) -> torch.Tensor:
     """``x · wᵀ + bias`` on skinny_linear.c for ``x`` [..., k] bfloat16 of at most :data:`SKINNY_ROWS` rows, the
-    weight [n, k] at ``address`` in its layout [n/32][k/2][32][2]; ``path`` as :func:`skinny_library` gives."""
+    weight [n, k] at ``address`` in the layout [n/B][k/2][B][2] that ``path`` reads (:func:`skinny_code`)."""
     lib, _ = skinny_library()
     k = x.shape[-1]
     flat = x.reshape(-1, k)
@@ -389,7 +412,10 @@ def skinny_is_faster(rounds: int = 15) -> bool:
     found = skinny_library()
     if found is None:
         return False
-    args = {"lib": library_tag(found[0]), "path": found[1], "weight": list(SKINNY_PROBE_SHAPE)}
+    path = skinny_code(found[1], skinny_layout_block())
+    args = {"lib": library_tag(found[0]), "path": path, "weight": list(SKINNY_PROBE_SHAPE)}
+    if not path:
+        return False
     return bool(cached_probe("skinny_linear", args, lambda: _time_skinny(rounds)))
 
 
@@ -406,10 +432,12 @@ def _time_skinny(rounds: int) -> bool:
     weight = torch.randn(n, k).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     words = packed_words(packed)
-    if not (skinny_layout_checked() and vnni_layout(weight, words)):
+    block = skinny_layout_block()
+    path = skinny_code(skinny_library()[1], block)
+    if not (path and vnni_layout(weight, words, block)):
         return False
     del weight
-    path, address = skinny_library()[1], words.data_ptr()
+    address = words.data_ptr()
     ratio = 1.0
     with torch.no_grad():
         for rows in (1, 16):

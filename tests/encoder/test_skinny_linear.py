@@ -14,7 +14,9 @@ from lm_engine import LLM, SamplingParams
 from tests.support import image_part, make_image, user
 
 FOUND = packing.skinny_library()
-PATHS = [] if FOUND is None else ([1, 2] if FOUND[1] == 1 else [2])
+# (path, block): every path the library runs here, on the layout it reads
+PATHS = [] if FOUND is None else [(2, 32), (3, 64)] + ([(1, 32)] if FOUND[1] == "amx" else [])
+PATH_IDS = {1: "amx", 2: "bf16dot32", 3: "bf16dot64"}
 needs_kernel = pytest.mark.skipif(
     FOUND is None,
     reason="no AVX512-BF16 or no compiler here: the kernel is not built (test_off_switch checks that)",
@@ -22,10 +24,10 @@ needs_kernel = pytest.mark.skipif(
 NATIVE = packing.native_bf16()
 
 
-def vnni(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout [n/32][k/2][32][2], built here from the plain weight: the oracle for oneDNN's."""
+def vnni(weight: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """The kernel's layout [n/B][k/2][B][2], built here from the plain weight: the oracle for oneDNN's."""
     n, k = weight.shape
-    return weight.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.view(n // block, block, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -40,23 +42,25 @@ def close_to_bf16(y: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("path", PATHS, ids=lambda p: {1: "amx", 2: "bf16dot"}[p])
+@pytest.mark.parametrize("path_block", PATHS, ids=lambda p: PATH_IDS[p[0]])
 @pytest.mark.parametrize(
     ("rows", "n", "k", "bias"),
     [
-        (1, 32, 32, False),
-        (3, 96, 160, True),
-        (8, 64, 1024, False),
-        (9, 224, 96, True),
+        (1, 64, 32, False),
+        (3, 192, 160, True),
+        (5, 64, 1024, False),
+        (8, 128, 1024, False),
+        (9, 448, 96, True),
         (16, 2048, 1536, True),
     ],
 )
-def test_kernel_matches_float64_on_its_layout(path, rows, n, k, bias):
+def test_kernel_matches_float64_on_its_layout(path_block, rows, n, k, bias):
+    path, block = path_block
     torch.manual_seed(rows * n + k)
     weight = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
     b = (torch.randn(n) * 0.5).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, k).to(torch.bfloat16)
-    words = vnni(weight)
+    words = vnni(weight, block)
     y = packing.skinny_call(x, words.data_ptr(), n, b, path)
     close_to_bf16(y, reference(x, weight, b))
     # rows apart by more than k (a slice of a wider tensor), and a batch of rows in leading dimensions
@@ -72,18 +76,26 @@ def test_onednn_packs_the_layout_the_kernel_reads_or_the_kernel_is_not_used():
     torch.manual_seed(0)
     weight = torch.randn(2048, 1536).to(torch.bfloat16)
     words = packing.packed_words(torch.ops.mkldnn._reorder_linear_weight(weight, None))
-    same = words is not None and torch.equal(words, vnni(weight).view(torch.int16).reshape(-1))
+    same = {
+        block: words is not None and torch.equal(words, vnni(weight, block).view(torch.int16).reshape(-1))
+        for block in packing.SKINNY_BLOCKS
+    }
     # what the sampled check and the once-a-process check say must be what the whole buffer shows
-    assert packing.vnni_layout(weight, words) == same
-    assert packing.skinny_layout_checked() == same
+    for block, matches in same.items():
+        assert packing.vnni_layout(weight, words, block) == matches
+    found = [block for block, matches in same.items() if matches]
+    assert packing.skinny_layout_block() == (found[0] if found else 0)
     # a buffer in another order is refused, and a shape the layout cannot hold is not taken
     shuffled = weight.t().contiguous().view(torch.int16).reshape(-1)
-    assert not packing.vnni_layout(weight, shuffled)
-    assert not packing.vnni_layout(weight, words[:-32] if words is not None else None)
+    for block in packing.SKINNY_BLOCKS:
+        assert not packing.vnni_layout(weight, shuffled, block)
+        assert not packing.vnni_layout(weight, words[:-32] if words is not None else None, block)
 
 
 @needs_kernel
-@pytest.mark.skipif(FOUND is None or FOUND[1] != 1, reason="AMX: the path whose products are oneDNN's own")
+@pytest.mark.skipif(
+    FOUND is None or FOUND[1] != "amx", reason="AMX: the path whose products are oneDNN's own"
+)
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_amx_path_equals_onednn_on_the_same_buffer_bit_for_bit(rows, monkeypatch):
     monkeypatch.setattr(packing, "skinny_is_faster", lambda: True)
@@ -102,7 +114,7 @@ def test_amx_path_equals_onednn_on_the_same_buffer_bit_for_bit(rows, monkeypatch
 @pytest.mark.skipif(not NATIVE, reason="oneDNN has no native bfloat16 here: nothing is packed")
 def test_packed_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
     monkeypatch.setattr(packing, "skinny_is_faster", lambda: True)
-    if not packing.skinny_layout_checked():
+    if not packing.skinny_layout_block():
         pytest.skip("oneDNN packs another layout on this CPU: the kernel is never taken here")
     calls = []
     real = packing.skinny_call
@@ -110,7 +122,8 @@ def test_packed_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
     torch.manual_seed(1)
     lin = nn.Linear(256, 512, bias=False).to(torch.bfloat16)
     packed = PackedLinear(lin)
-    assert packed.skinny in (1, 2)
+    assert packed.skinny == packing.skinny_code(FOUND[1], packing.skinny_layout_block())
+    assert packed.skinny in (1, 2, 3)
     with torch.no_grad():
         for rows in (1, SKINNY_ROWS, SKINNY_ROWS + 1, 64):
             x = torch.randn(rows, 256).to(torch.bfloat16)
@@ -121,6 +134,7 @@ def test_packed_linear_takes_the_kernel_for_few_rows_only(monkeypatch):
         assert len(calls) == 2
     # shapes the layout cannot hold are not taken
     assert PackedLinear(nn.Linear(256, 48).to(torch.bfloat16)).skinny == 0
+    assert PackedLinear(nn.Linear(256, 96).to(torch.bfloat16)).skinny in (0, 1, 2)  # not 64-blocks
     assert PackedLinear(nn.Linear(176, 64).to(torch.bfloat16)).skinny == 0
 
 
@@ -136,6 +150,16 @@ def test_kernel_refuses_what_it_cannot_do():
         packing.skinny_call(torch.zeros(1, 48, dtype=torch.bfloat16), words.data_ptr(), 64, None, 2)
     with pytest.raises(RuntimeError, match="refused"):
         packing.skinny_call(torch.zeros(1, 64, dtype=torch.bfloat16), words.data_ptr(), 64, None, 7)
+    with pytest.raises(RuntimeError, match="refused"):  # 64-output blocks: n = 96 holds none whole
+        packing.skinny_call(torch.zeros(1, 64, dtype=torch.bfloat16), words.data_ptr(), 96, None, 3)
+
+
+def test_paths_follow_isa_and_block():
+    assert packing.skinny_code("amx", 32) == 1
+    assert packing.skinny_code("avx512-bf16", 32) == 2
+    assert packing.skinny_code("avx512-bf16", 64) == 3
+    assert packing.skinny_code("amx", 64) == 3  # AMX tiles read 32-blocks only: the dot products read 64
+    assert packing.skinny_code("avx512-bf16", 16) == 0
 
 
 def test_off_switch(monkeypatch):
@@ -156,7 +180,7 @@ def test_engine_generates_the_same_ids_with_the_kernel(tiny_ckpt, monkeypatch):
     greedy ids equal to the same engine's with the kernel off (the AMX path's products are oneDNN's own)."""
     monkeypatch.setattr(packing, "packed_is_faster", lambda: True)
     monkeypatch.setattr(packing, "skinny_is_faster", lambda: True)
-    if not packing.skinny_layout_checked():
+    if not packing.skinny_layout_block():
         pytest.skip("oneDNN packs another layout on this CPU: the kernel is never taken here")
     convs = [
         user("What is in the picture?", image_part(make_image(180, 120, 3))),
@@ -167,12 +191,17 @@ def test_engine_generates_the_same_ids_with_the_kernel(tiny_ckpt, monkeypatch):
     for on in (True, False):
         with LLM(str(tiny_ckpt), dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64) as llm:
             layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
-            assert sum(bool(m.skinny) for m in layers) >= len(layers) - 2  # the down projections
+            block = packing.skinny_layout_block()
+            fits = [m for m in layers if m.out_features % block == 0 and m.in_features % 32 == 0]
+            assert (
+                len(fits) >= len(layers) - 4
+            )  # the down projections (176 → 64), and 352-wide gate/up on 64s
+            assert all(m.skinny for m in fits)
             if not on:
                 for m in layers:
                     m.skinny = 0
             ids[on] = [o.outputs[0].token_ids for o in llm.chat(convs, params)]
-    if FOUND[1] == 1:
+    if FOUND[1] == "amx":
         assert ids[True] == ids[False]
     else:  # other products than oneDNN's: the first steps agree
         assert [t[:4] for t in ids[True]] == [t[:4] for t in ids[False]]

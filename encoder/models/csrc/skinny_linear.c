@@ -3,14 +3,15 @@
  * on the same buffer: no second copy of any weight.
  *
  * y [m, n] = x [m, k] · wᵀ (+ bias), bfloat16 in and out, float32 accumulation, m <= 16. w is the buffer that
- * torch.ops.mkldnn._reorder_linear_weight produced for a bfloat16 [n, k] weight on a CPU with AMX: pairs of k
- * interleaved, 32 outputs a block, [n/32][k/2][32][2] (the Python side checks this layout on every weight it
- * hands here, encoder/models/linear.py). Each 32-output block is one contiguous run of k · 64 bytes, read once.
+ * torch.ops.mkldnn._reorder_linear_weight produced for a bfloat16 [n, k] weight: pairs of k interleaved, B
+ * outputs a block, [n/B][k/2][B][2], B = 32 on a CPU with AMX and 64 on AVX512-BF16 CPUs without it (the Python
+ * side checks the layout on every weight it hands here, encoder/models/linear.py). Each block is one contiguous
+ * run of k · 2B bytes, read once.
  *
  * Two paths over the same layout. AMX (`path` 1): per 32 · k block, tiles C [m][16 outputs] += x [m][32 k] (A,
  * read in place, rows ldx apart) · w [16 k pairs][16 outputs][2] (B, rows of the block 128 bytes apart), two
- * blocks at a time (four accumulators). AVX512-BF16 (`path` 2): per block, vdpbf16ps of a k pair of x (broadcast)
- * against the block's 32 outputs, eight rows of x at a time.
+ * blocks at a time (four accumulators). AVX512-BF16 (`path` 2 on 32-output blocks, 3 on 64): per block,
+ * vdpbf16ps of a k pair of x (broadcast) against the block's outputs, eight (four) rows of x at a time.
  *
  * NOTE: oneDNN's own call on this buffer for one to a few rows ran 10-25 % under the machine's read rate at the
  * Qwen2-VL-2B decoder's shapes, and its 8,960 → 1,536 projection at one row 5x slower (it splits k): 2-vCPU Xeon
@@ -39,7 +40,7 @@
 #define HAVE_AMX 0
 #endif
 
-#define BLOCK 32 /* outputs per block of the packed layout */
+#define BLOCK 32 /* outputs per block of the layout oneDNN packs on AMX (the AMX path reads only that one) */
 #define MAX_ROWS 16
 
 #if HAVE_AMX
@@ -143,56 +144,96 @@ static void unit_amx(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const
 #endif
 
 #if HAVE_BF16DOT
-#define DOT_ROWS 8 /* rows of x per pass: 16 accumulators, the block's two vectors and a broadcast in registers */
+/* Per row i < 8 and vector v < 4 of a block: the statement S(i, v), dropped by the compiler where i >= ROWS or
+ * v >= B/16 (both constants where block_dot is inlined). */
+#define EACH_V(S, i) S(i, 0) S(i, 1) S(i, 2) S(i, 3)
+#define EACH_IV(S) EACH_V(S, 0) EACH_V(S, 1) EACH_V(S, 2) EACH_V(S, 3) EACH_V(S, 4) EACH_V(S, 5) EACH_V(S, 6) EACH_V(S, 7)
+#define EACH_I(S) S(0) S(1) S(2) S(3) S(4) S(5) S(6) S(7)
+#define ACC_ZERO(i, v) __m512 a##i##v = _mm512_setzero_ps();
+#define W_LOAD(v) if (v < B / 16) w##v = (__m512bh)_mm512_loadu_si512(wp + v * 32);
+#define X_PAIR(i)                                                                                                    \
+    if (i < ROWS) {                                                                                                  \
+        uint32_t pair;                                                                                               \
+        memcpy(&pair, x + i * ldx + 2 * p, 4);                                                                       \
+        x##i = (__m512bh)_mm512_set1_epi32((int)pair);                                                               \
+    }
+#define ACC_DOT(i, v) if (i < ROWS && v < B / 16) a##i##v = _mm512_dpbf16_ps(a##i##v, w##v, x##i);
+#define ACC_STORE(i, v) if (i < ROWS && v < B / 16) _mm512_storeu_ps(out[i] + 16 * v, a##i##v);
 
-/* Blocks [b0, b1), vdpbf16ps: per k pair, x's pair (two bf16 as one 32-bit lane, broadcast) against 32 outputs. */
-static void unit_dot(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *bias,
-                     uint16_t *y, int64_t ldy, int64_t b0, int64_t b1) {
-    float out[DOT_ROWS][BLOCK];
+/* out [ROWS][64] = ROWS rows of x · one block of `B` outputs (32 or 64: the layout's block) by vdpbf16ps: per k pair,
+ * x's pair (two bf16 as one 32-bit lane, broadcast) against the block's B outputs. Called with constants only, and
+ * every accumulator a variable of its own: with arrays indexed in loops GCC 12 kept them on the stack (a load and a
+ * store per product: at 4 and 16 rows the Zen 4 ran at a third of oneDNN's rate). */
+static inline __attribute__((always_inline)) void block_dot(const uint16_t *x, int64_t ldx, int64_t k,
+                                                            const uint16_t *wb, float (*out)[64], const int B,
+                                                            const int ROWS) {
+    EACH_IV(ACC_ZERO)
+    __m512bh w0, w1, w2, w3, x0, x1, x2, x3, x4, x5, x6, x7;
+    w0 = w1 = w2 = w3 = x0 = x1 = x2 = x3 = x4 = x5 = x6 = x7 = (__m512bh)_mm512_setzero_si512();
+    for (int64_t p = 0; p < k / 2; p++) {
+        const uint16_t *wp = wb + p * 2 * B;
+        W_LOAD(0) W_LOAD(1) W_LOAD(2) W_LOAD(3)
+        EACH_I(X_PAIR)
+        EACH_IV(ACC_DOT)
+    }
+    EACH_IV(ACC_STORE)
+}
+
+/* Blocks [b0, b1) of `B` outputs, `R` rows of x a pass (R · B/16 accumulators, the block's B/16 vectors and a
+ * broadcast in the 32 registers); the last pass's rows picked by a switch, so every count has its own loop. */
+static inline __attribute__((always_inline)) void unit_dot(const uint16_t *x, int64_t m, int64_t k, int64_t ldx,
+                                                           const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                                                           int64_t ldy, int64_t b0, int64_t b1, const int B,
+                                                           const int R) {
+    float out[8][64];
     for (int64_t b = b0; b < b1; b++) {
-        const uint16_t *wb = w + b * BLOCK * k;
-        for (int64_t r0 = 0; r0 < m; r0 += DOT_ROWS) {
-            const int64_t rows = m - r0 < DOT_ROWS ? m - r0 : DOT_ROWS;
-            __m512 acc[DOT_ROWS][2];
-            for (int i = 0; i < DOT_ROWS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-            for (int64_t p = 0; p < k / 2; p++) {
-                const __m512bh lo = (__m512bh)_mm512_loadu_si512(wb + p * 64);
-                const __m512bh hi = (__m512bh)_mm512_loadu_si512(wb + p * 64 + 32);
-#pragma GCC unroll 8
-                for (int i = 0; i < DOT_ROWS; i++) {
-                    if (i >= rows) break;
-                    uint32_t pair;
-                    memcpy(&pair, x + (r0 + i) * ldx + 2 * p, 4);
-                    const __m512bh xp = (__m512bh)_mm512_set1_epi32((int)pair);
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xp);
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xp);
-                }
+        const uint16_t *wb = w + b * B * k;
+        for (int64_t r0 = 0; r0 < m; r0 += R) {
+            const int64_t rows = m - r0 < R ? m - r0 : R;
+            const uint16_t *xr = x + r0 * ldx;
+            switch (rows) { /* R >= rows: the cases past R are never reached (and compile as one row) */
+            case 1: block_dot(xr, ldx, k, wb, out, B, 1); break;
+            case 2: block_dot(xr, ldx, k, wb, out, B, 2); break;
+            case 3: block_dot(xr, ldx, k, wb, out, B, 3); break;
+            case 4: block_dot(xr, ldx, k, wb, out, B, 4); break;
+            case 5: block_dot(xr, ldx, k, wb, out, B, R >= 5 ? 5 : 1); break;
+            case 6: block_dot(xr, ldx, k, wb, out, B, R >= 6 ? 6 : 1); break;
+            case 7: block_dot(xr, ldx, k, wb, out, B, R >= 7 ? 7 : 1); break;
+            default: block_dot(xr, ldx, k, wb, out, B, R >= 8 ? 8 : 1); break;
             }
-            for (int i = 0; i < rows; i++) {
-                _mm512_storeu_ps(out[i], acc[i][0]);
-                _mm512_storeu_ps(out[i] + 16, acc[i][1]);
-            }
-            write_rows(&out[0][0], BLOCK, rows, BLOCK, bias ? bias + b * BLOCK : NULL, y + r0 * ldy + b * BLOCK,
-                       ldy);
+            write_rows(&out[0][0], 64, rows, B, bias ? bias + b * B : NULL, y + r0 * ldy + b * B, ldy);
         }
     }
 }
+
+static void unit_dot32(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, int64_t b0, int64_t b1) {
+    unit_dot(x, m, k, ldx, w, bias, y, ldy, b0, b1, 32, 8);
+}
+
+static void unit_dot64(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, const uint16_t *bias,
+                       uint16_t *y, int64_t ldy, int64_t b0, int64_t b1) {
+    unit_dot(x, m, k, ldx, w, bias, y, ldy, b0, b1, 64, 6);
+}
 #endif
 
-/* path 1: AMX (vlm_skinny_amx_ready()), 2: AVX512-BF16 dot products. k a multiple of 32 and n of 32 (the layout's
- * blocks, with no padding to read past), 1 <= m <= 16, x's rows ldx >= k apart, y's ldy >= n. */
+/* path 1: AMX (vlm_skinny_amx_ready()) on 32-output blocks; 2: AVX512-BF16 dot products on 32-output blocks; 3: the
+ * same on 64-output blocks ([n/64][k/2][64][2], the layout oneDNN packs on AVX512-BF16 CPUs without AMX, a Zen 4
+ * EPYC's). k a multiple of 32 and n of the block (no padding to read past), 1 <= m <= 16, x's rows ldx >= k apart,
+ * y's ldy >= n. */
 int vlm_skinny_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, int64_t n,
                       const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads, int64_t path) {
-    if (m < 1 || m > MAX_ROWS || k <= 0 || k % 32 || n <= 0 || n % BLOCK || ldx < k || ldy < n) return -1;
+    const int64_t block = path == 3 ? 64 : 32;
+    if (m < 1 || m > MAX_ROWS || k <= 0 || k % 32 || n <= 0 || n % block || ldx < k || ldy < n) return -1;
     if (path == 1 && !vlm_skinny_amx_ready()) return -2;
-    if (path != 1 && (path != 2 || !HAVE_BF16DOT)) return -2;
+    if (path != 1 && ((path != 2 && path != 3) || !HAVE_BF16DOT)) return -2;
 #if HAVE_BF16DOT
-    const int64_t blocks = n / BLOCK;
-    /* units of 2 blocks: 2 · 32 · k · 2 bytes each (196 KB at k 1,536), a few dozen at the smallest layer, handed
+    const int64_t blocks = n / block;
+    /* units of 64 outputs: 64 · k · 2 bytes each (196 KB at k 1,536), a few dozen at the smallest layer, handed
      * out one at a time: where a neighbour slows one vCPU the other takes more (with a static split the start-up
      * probe lost to oneDNN in 1 of 3 runs during a test suite on the other vCPU; dynamic won 3 of 3, and on a
      * quiet machine the 2B step's linears took 106.9 ms against oneDNN's 113.3, benchmarks/skinny_linear.py) */
-    const int64_t per = 2, units = (blocks + per - 1) / per;
+    const int64_t per = 64 / block, units = (blocks + per - 1) / per;
     if (threads < 1) threads = 1;
     if (threads > units) threads = units;
 #ifdef _OPENMP
@@ -206,7 +247,8 @@ int vlm_skinny_linear(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, cons
             continue;
         }
 #endif
-        unit_dot(x, m, k, ldx, w, bias, y, ldy, b0, b1);
+        if (path == 3) unit_dot64(x, m, k, ldx, w, bias, y, ldy, b0, b1);
+        else unit_dot32(x, m, k, ldx, w, bias, y, ldy, b0, b1);
     }
     return 0;
 #else
