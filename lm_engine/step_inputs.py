@@ -86,10 +86,11 @@ class _HostInputs:
         tables = torch.zeros(len(self.decode_tables), width, dtype=torch.long)
         for i, t in enumerate(self.decode_tables):
             tables[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        slots = torch.cat(self.slots)
         host = [
             torch.tensor(self.ids, dtype=torch.long),
             torch.cat(self.positions, dim=1),
-            torch.cat(self.slots),
+            slots,
             tables,
             torch.tensor(self.decode_lens, dtype=torch.long),
             torch.tensor(self.logit_rows, dtype=torch.long),
@@ -107,6 +108,7 @@ class _HostInputs:
             prefill_spans=self.spans,
             prefill_block_tables=span_tables,
             max_decode_context=max(self.decode_lens, default=0),
+            all_slots_written=bool((slots >= 0).all()),  # looked at once here, not by each layer's write
         )
         mm_embeds = torch.cat(self.mm_embeds) if self.mm_embeds else None
         mm_rows = mm_rows if self.mm_rows else None

@@ -24,6 +24,8 @@ class AttentionMetadata:
     prefill_spans: list[tuple[int, int, int]]
     prefill_block_tables: list[torch.Tensor]  # per chunk: [num_blocks] int64 covering the context
     max_decode_context: int = 0
+    # Every slot_mapping entry >= 0 (known when the step was built): the layers' KV writes skip the check
+    all_slots_written: bool = False
 
 
 class AttentionBackend(ABC):
@@ -48,7 +50,10 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        all_written: bool = False,
     ) -> None: ...
+
+    # ``all_written``: the caller knows every slot is >= 0 (the write may skip looking)
 
     @abstractmethod
     def decode(
@@ -109,9 +114,19 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D] for the flat batch. Returns [T, H, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_written=meta.all_slots_written)
         nd = meta.num_decode_tokens
+        if nd == q.shape[0]:  # a step of decodes only: the kernel's output is the layer's, no copy
+            return self.decode(
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                meta.max_decode_context,
+            )
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self.decode(
                 q[:nd],

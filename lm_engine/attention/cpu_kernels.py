@@ -66,10 +66,13 @@ def paged_decode(
     scale: float,
     max_context: int,
     num_threads: int | None = None,
+    longest: int | None = None,
 ) -> torch.Tensor:
     """The compiled paged decode: same contract as ``torch_backend.paged_decode``, blocks read in place.
 
-    ``num_threads`` defaults to torch's intra-op thread count, or 1 when the work is too small to share."""
+    ``num_threads`` defaults to torch's intra-op thread count, or 1 when the work is too small to share.
+    ``longest``: ``context_lens.max()``, where the caller read it from this same tensor (a step's layers share
+    one: :class:`~lm_engine.attention.torch_backend.CpuBackend` reads it once a step)."""
     s, h, d = q.shape
     block_size, kvh = k_cache.shape[1], k_cache.shape[2]
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -79,7 +82,8 @@ def paged_decode(
     lens = context_lens.to(torch.int32).contiguous()
     # NOTE: checked against the lengths themselves, not the caller's max_context: the kernel trusts every
     # length to stay inside its row of the table, and a wrong one would read outside it.
-    longest = int(lens.max()) if s else 0
+    if longest is None:
+        longest = int(lens.max()) if s else 0
     if longest > tables.shape[1] * block_size:
         raise ValueError(f"context of {longest} tokens exceeds the block table ({tables.shape[1]} blocks)")
     out = torch.empty_like(q)

@@ -24,11 +24,14 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    all_written: bool = False,
 ) -> None:
-    """Scatter ``key``/``value`` ([T, KVH, D]) into the paged caches at ``slot_mapping`` (-1 = skip)."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    """Scatter ``key``/``value`` ([T, KVH, D]) into the paged caches at ``slot_mapping`` (-1 = skip; with
+    ``all_written`` the caller knows there is none, and the per-layer look is skipped)."""
+    if not all_written:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
@@ -78,8 +81,8 @@ def paged_decode(
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        write_kv(key, value, k_cache, v_cache, slot_mapping)
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping, all_written=False) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping, all_written)
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
@@ -109,14 +112,26 @@ class CpuBackend(TorchBackend):
         self.prefill_lib = vision_kernel.load()
         # (heads, kv heads, head dim) → "sdpa", "kernel" or "kernel-amx" (its products on AMX tiles)
         self.causal_choice: dict[tuple[int, int, int], str] = {}
+        self._lens: torch.Tensor | None = None  # the last step's context lengths, and their max
+        self._lens_max = 0
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         if not cpu_kernels.supports(q, k_cache):
             return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
         if max_context <= 0:
             max_context = int(context_lens.max())
+        if context_lens is not self._lens:  # a new step's lengths (its layers share one tensor): read once
+            self._lens, self._lens_max = context_lens, int(context_lens.max()) if context_lens.numel() else 0
         return cpu_kernels.paged_decode(
-            self.lib, q, k_cache, v_cache, block_tables, context_lens, scale, max_context
+            self.lib,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            scale,
+            max_context,
+            longest=self._lens_max,
         )
 
     def prefill(self, q, k, v, k_cache, v_cache, block_table, context_len, scale) -> torch.Tensor:

@@ -12,7 +12,9 @@ from lm_engine.attention.triton_kernels import triton_paged_decode, triton_write
 class TritonBackend(AttentionBackend):
     name = "triton"
 
-    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+    def write_kv(
+        self, key, value, k_cache, v_cache, slot_mapping, all_written=False
+    ) -> None:  # masks -1 itself
         triton_write_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:

@@ -123,6 +123,59 @@ def test_context_beyond_the_block_table_is_refused():
         cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 16)
 
 
+def test_backend_reads_each_steps_lengths_once_and_still_checks_them():
+    """A step's layers share one lengths tensor, whose max the backend reads once; a new step's tensor is read
+    again (longer contexts are attended in full), and one past its block table is still refused."""
+    backend = CpuBackend(LIB)
+    q, k, v, tables, ctx = _case(13, [20, 40], 4, 2, 16, 16)
+    for _ in range(2):  # two layers of one step
+        got = backend.decode(q, k, v, tables, ctx, 0.25, 40)
+        assert torch.equal(got, cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.25, 40))
+    longer = torch.tensor([21, 47], dtype=torch.int32)  # the next step
+    got = backend.decode(q, k, v, tables, longer, 0.25, 47)
+    torch.testing.assert_close(got, paged_decode(q, k, v, tables, longer, 0.25), atol=2e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        backend.decode(q, k, v, tables[:, :1], torch.tensor([20, 40], dtype=torch.int32), 0.25, 16)
+
+
+def _meta(slots, decode_ctx, tables, all_written=False):
+    from lm_engine.attention.base import AttentionMetadata
+
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        num_decode_tokens=len(decode_ctx),
+        decode_block_tables=tables,
+        decode_context_lens=torch.tensor(decode_ctx, dtype=torch.int32),
+        prefill_spans=[],
+        prefill_block_tables=[],
+        max_decode_context=max(decode_ctx),
+        all_slots_written=all_written,
+    )
+
+
+@pytest.mark.parametrize("backend", [TorchBackend(), CpuBackend(LIB)], ids=["torch", "cpu"])
+def test_decode_only_step_writes_its_kv_and_attends(backend):
+    """A step of decodes only: the layer's output is the decode's, its KV is written at its slots (the step
+    builder's ``all_slots_written``) and a -1 slot (flag not set) writes nothing."""
+    q, k_cache, v_cache, tables, _ = _case(17, [9, 30], 4, 2, 16, 8)
+    lens = [9, 30]
+    slots = [int(tables[i, (n - 1) // 8]) * 8 + (n - 1) % 8 for i, n in enumerate(lens)]
+    k = torch.randn(2, 2, 16)
+    v = torch.randn(2, 2, 16)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = backend.forward(q, k, v, kc, vc, _meta(slots, lens, tables, all_written=True), 0.25)
+    flat_k, flat_v = kc.view(-1, 2, 16), vc.view(-1, 2, 16)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    torch.testing.assert_close(
+        out, paged_decode(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.25)
+    )
+    kc2 = k_cache.clone()
+    backend.forward(q, k, v, kc2, v_cache.clone(), _meta([slots[0], -1], lens, tables), 0.25)
+    assert torch.equal(kc2.view(-1, 2, 16)[slots[0]], k[0])
+    changed = (kc2 != k_cache).any(dim=-1).any(dim=-1).flatten().nonzero().flatten().tolist()
+    assert changed == [slots[0]]  # the first sequence's slot only
+
+
 def _decode_in_child(conn):
     try:
         # NOTE: torch's own OpenMP threads do not survive fork either; the reference runs on one thread.

@@ -93,3 +93,6 @@ def test_step_inputs_travel_in_one_buffer(tiny_ckpt, monkeypatch):
         views += m.prefill_block_tables
         assert len({v.untyped_storage().data_ptr() for v in views}) == 1
         assert all(v.data_ptr() % 64 == 0 for v in views)
+        # every slot a real one, so the layers' KV writes skip looking: as the slots themselves say
+        assert all(b.meta.all_slots_written == bool((b.meta.slot_mapping >= 0).all()) for b in batches)
+        assert all(b.meta.all_slots_written for b in batches)
