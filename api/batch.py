@@ -46,7 +46,7 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from api.chat import ChatService, completion_body
+from api.chat import ChatService, Parsing, completion_body
 from api.config import ServerArgs
 from api.errors import APIError, to_api_error
 from api.media import MediaConfig, MediaFetcher
@@ -174,6 +174,8 @@ class _Parsed:
     params: SamplingParams
     messages: list[dict]  # the engine's form: image parts keep their URL and detail
     return_token_ids: bool
+    tools: list[dict] | None = None  # offered in the prompt (the server's tool format)
+    parsing: Parsing | None = None  # tool calls read out of the output where tools were offered
 
 
 @dataclass(slots=True)
@@ -185,6 +187,7 @@ class _Running:
     model: str
     return_token_ids: bool
     hot: bool = False  # has its first token (its images' KV is in the prefix cache)
+    parsing: Parsing | None = None
 
 
 def _envelope(raw: bytes) -> tuple[str, Any]:
@@ -382,16 +385,14 @@ class _BatchRun:
             req = ChatCompletionRequest.model_validate(body)
             model = self.chat.check_model(req.model)
             plan = output_plan(req)
-            if plan.tools:
-                raise APIError(
-                    400, "vlmserve batch does not offer tools: send them to the server", param="tools"
-                )
             params = self.chat.sampling_params(req, plan)
             messages = [m.to_engine() for m in req.messages]
             normalize(messages, self.args.max_images)
         except (APIError, InputError, ValidationError) as err:
             raise _Rejected(cid, to_api_error(err)) from None
-        return _Parsed(cid, model, params, messages, req.return_token_ids)
+        return _Parsed(
+            cid, model, params, messages, req.return_token_ids, plan.tools, Parsing(tools=plan.parse_tools)
+        )
 
     async def _group_key(self, messages: list[dict]) -> tuple | None:
         """The identity of a line's images (with their detail), or None for a text-only line."""
@@ -518,7 +519,11 @@ class _BatchRun:
 
     async def _prepare(self, parsed: _Parsed) -> PromptInputs:
         return await prepare_prompt(
-            self.engine, parsed.messages, self.media.fetcher, max_images=self.args.max_images
+            self.engine,
+            parsed.messages,
+            self.media.fetcher,
+            max_images=self.args.max_images,
+            tools=parsed.tools,
         )
 
     def _submit(
@@ -538,7 +543,9 @@ class _BatchRun:
             self._fail(spill, index, parsed.custom_id, to_api_error(exc), request_id)
             feeder.failed(index)
             return
-        running[request_id] = _Running(index, parsed.custom_id, parsed.model, parsed.return_token_ids)
+        running[request_id] = _Running(
+            index, parsed.custom_id, parsed.model, parsed.return_token_ids, parsing=parsed.parsing
+        )
 
     def _on_output(
         self, out: RequestOutput, running: dict[str, _Running], feeder: _Feeder, spill: _Spill
@@ -558,7 +565,7 @@ class _BatchRun:
         if not out.finished:
             return
         del running[out.request_id]
-        body = completion_body(out, run.model, run.return_token_ids)
+        body = completion_body(out, run.model, run.return_token_ids, run.parsing)
         spill.put(run.index, _ok_record(run.custom_id, out.request_id, body))
         s = self.summary
         s.ok += 1

@@ -124,7 +124,9 @@ def test_batch_in_input_order_matches_offline_and_reuses_pages(tiny_ckpt, batch_
     path, lines, _ = batch_input
     engine = make_engine(tiny_ckpt)
     try:
-        summary = run_batch(engine, path, tmp_path / "out.jsonl", BatchOptions(progress=False))
+        summary = run_batch(
+            engine, path, tmp_path / "out.jsonl", BatchOptions(progress=False, served_model_names=["demo"])
+        )
         engine.check_integrity()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
@@ -243,3 +245,58 @@ def test_cli_end_to_end(tiny_ckpt, batch_input, oracle, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["images_encoded"] == len(PAGES) and summary["prefix_hit_rate"] > 0
     assert [p.name for p in out.parent.iterdir()] == ["out.jsonl"]  # no spill or temporary file left
+
+
+def test_tools_in_batch_lines_give_parsed_calls(tmp_path):
+    """Lines with tools: the calls come back as the server gives them (OpenAI's chat.completion, read by the
+    ``openai`` client's own types), enforced calls valid for their function's parameters (jsonschema), and the
+    calls a model writes under ``auto`` parsed out of its text."""
+    import jsonschema
+    from openai.types.chat import ChatCompletion
+
+    from lm_engine.models import demo
+    from tests.api.test_structured_output import PARAMS, TOOLS, TWO_CALLS, ask
+
+    question = ask("What color is the shape?")
+    named = {"type": "function", "function": {"name": "count_shapes"}}
+    cases = {
+        "required": dict(tools=TOOLS, tool_choice="required", max_tokens=120),
+        "named": dict(tools=TOOLS, tool_choice=named, max_tokens=120),
+        "auto-written": dict(tools=TOOLS, tool_choice="auto", max_tokens=240, guided_regex=TWO_CALLS),
+        "none": dict(tools=TOOLS, tool_choice="none", max_tokens=6),
+        "plain": dict(max_tokens=6),
+    }
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(line(cid, question, **body) + "\n" for cid, body in cases.items()))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(demo.SHIPPED), dtype="float32", max_model_len=2048, num_kv_blocks=512, preprocess_workers=0
+        )
+    )
+    try:
+        summary = run_batch(
+            engine, path, tmp_path / "out.jsonl", BatchOptions(progress=False, served_model_names=["demo"])
+        )
+    finally:
+        engine.close()
+    assert (summary.ok, summary.failed) == (len(cases), 0)
+    records = {r["custom_id"]: r for r in read_records(tmp_path / "out.jsonl")}
+    done = {
+        cid: ChatCompletion.model_validate(r["response"]["body"]).choices[0] for cid, r in records.items()
+    }
+    for cid in ("required", "named"):
+        choice = done[cid]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, cid
+        calls = choice.message.tool_calls
+        assert calls and all(c.type == "function" and c.id for c in calls)
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    assert [c.function.name for c in done["named"].message.tool_calls] == ["count_shapes"]
+    written = done["auto-written"]
+    assert [c.function.name for c in written.message.tool_calls] == ["describe_shape", "count_shapes"]
+    assert written.message.content == "Checking." and written.finish_reason == "tool_calls"
+    for cid in ("none", "plain"):  # no tools in the prompt or the answer: plain text
+        assert done[cid].message.tool_calls is None and done[cid].message.content, cid
+    # tools reach the prompt only where they are offered: "none" leaves them out, as the server does
+    ids = {cid: records[cid]["response"]["body"]["prompt_token_ids"] for cid in cases}
+    assert ids["none"] == ids["plain"] and len(ids["required"]) > len(ids["plain"])
