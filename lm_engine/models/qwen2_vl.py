@@ -292,9 +292,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen2VLConfig) -> None:
+    """Pre-norm attention and MLP with residuals; ``attention``: the family's attention module (Qwen3-VL's
+    norms q and k per head), built from the same config."""
+
+    def __init__(self, cfg: Qwen2VLConfig, attention: type[nn.Module] | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = (attention or Attention)(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -305,16 +308,25 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2VLDecoder(nn.Module):
-    """Takes flat ragged tokens ([T]), their M-RoPE positions ([3, T]) and optional image rows."""
+    """Takes flat ragged tokens ([T]), their M-RoPE positions ([3, T]) and optional image rows.
+
+    Qwen3-VL's decoder (``lm_engine.models.qwen3_vl``) is this one with its own attention, rotary bands and
+    deepstack rows: it names them in :attr:`attention` and :meth:`make_rotary`."""
+
+    attention: type[nn.Module] = Attention
 
     def __init__(self, cfg: Qwen2VLConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.attention) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        self.rotary = self.make_rotary(cfg)
+
+    @staticmethod
+    def make_rotary(cfg) -> MRotaryEmbedding:
+        return MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
     def forward(
         self,
@@ -336,6 +348,10 @@ class Qwen2VLDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def layer_tensors(self) -> int:
+        """The checkpoint tensors of one layer: q/k/v weight and bias, o, gate, up, down, two norms."""
+        return 6 + 1 + 2 + 1 + 2
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:
@@ -373,8 +389,7 @@ class Qwen2VLDecoder(nn.Module):
         if "lm_head.weight" not in loaded and cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight")
-        # embed, norm, head; per layer: q/k/v weight+bias, o, gate/up, down, two norms
-        expected = 3 + cfg.num_hidden_layers * (6 + 1 + 2 + 1 + 2)
+        expected = 3 + cfg.num_hidden_layers * self.layer_tensors()  # and embed, norm, head
         if len(loaded) != expected:
             raise ValueError(
                 f"checkpoint {path} is missing decoder tensors ({len(loaded)}/{expected} loaded)"

@@ -15,12 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encoder.models.weights import iter_checkpoint_tensors
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.qwen2_vl import (
     _DTYPES,
-    MLP,
     MRotaryEmbedding,
+    Qwen2VLDecoder,
     RMSNorm,
     _rotate_half,
     step_rotary,
@@ -163,31 +162,17 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3VLConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class Qwen3VLDecoder(Qwen2VLDecoder):
+    """Flat ragged tokens ([T]), M-RoPE positions ([3, T]) and optional image rows with their levels: Qwen2-VL's
+    decoder with q/k norms per head, interleaved rotary bands where the config says so, and the tower's
+    deepstack levels added to the image rows after the first layers."""
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    attention = Attention
 
-
-class Qwen3VLDecoder(nn.Module):
-    """Flat ragged tokens ([T]), M-RoPE positions ([3, T]) and optional image rows with their levels."""
-
-    def __init__(self, cfg: Qwen3VLConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    @staticmethod
+    def make_rotary(cfg: Qwen3VLConfig) -> MRotaryEmbedding:
         rotary = InterleavedMRotary if cfg.mrope_interleaved else MRotaryEmbedding
-        self.rotary = rotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+        return rotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
     def forward(
         self,
@@ -216,45 +201,6 @@ class Qwen3VLDecoder(nn.Module):
                 x[mm_rows] = x[mm_rows] + levels[i]
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    @torch.no_grad()
-    def load_weights(self, path: str | Path) -> None:
-        """The decoder's tensors (``model.language_model.*`` and ``lm_head``), q/k/v and gate/up fused."""
-        cfg = self.cfg
-        params = dict(self.named_parameters())
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        fused = {
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-            "self_attn.k_proj": ("self_attn.qkv_proj", q),
-            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-            "mlp.up_proj": ("mlp.gate_up_proj", cfg.intermediate_size),
-        }
-        loaded: set[str] = set()
-        for name, tensor in iter_checkpoint_tensors(path):
-            if name.startswith(("visual.", "model.visual.")):
-                continue
-            target = name.removeprefix("model.language_model.").removeprefix("model.")
-            offset = None
-            for src, (dst, off) in fused.items():
-                if f".{src}." in target:
-                    target, offset = target.replace(src, dst), off
-                    break
-            if target not in params:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint {path}")
-            rows = params[target] if offset is None else params[target][offset : offset + tensor.shape[0]]
-            rows.copy_(tensor)
-            loaded.add(target if offset is None else f"{target}@{offset}")
-        if "lm_head.weight" not in loaded and cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-            loaded.add("lm_head.weight")
-        per_layer = 11 + (
-            4 if cfg.attention_bias else 0
-        )  # q k v o gate up down, 2 norms, q/k norm (+ biases)
-        expected = 3 + cfg.num_hidden_layers * per_layer
-        if len(loaded) != expected:
-            raise ValueError(
-                f"checkpoint {path} is missing decoder tensors ({len(loaded)}/{expected} loaded)"
-            )
+    def layer_tensors(self) -> int:
+        """q k v o gate up down, two norms, the q and k norms (and q/k/v/o biases where the config has them)."""
+        return 11 + (4 if self.cfg.attention_bias else 0)
