@@ -26,6 +26,7 @@ from lm_engine.memory import (
     peak_rss_bytes,
     zeroed_pool,
 )
+from lm_engine.models.fused_decode import FusedDecode
 from lm_engine.models.qwen2_vl import use_step_kernels
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -82,6 +83,10 @@ class ModelRunner:
         phases.lap("pack")
         self.backend = get_backend(config.device, config.attention_backend)
         log.info("attention backend: %s (asked for %s)", self.backend.name, config.attention_backend)
+        if steps:
+            self.model.fused = FusedDecode.build(self.model, self.backend)
+            if self.model.fused is not None:
+                log.info("decode steps: each decoder layer in one call (the fused decode layer)")
         self.num_blocks = self._size_kv_pool(config, max_model_len, phases)
         shape = (
             cfg.num_hidden_layers,

@@ -314,6 +314,9 @@ class Qwen2VLDecoder(nn.Module):
     deepstack rows: it names them in :attr:`attention` and :meth:`make_rotary`."""
 
     attention: type[nn.Module] = Attention
+    fused = (
+        None  # a decode step's layers in one call each (lm_engine/models/fused_decode.py), where it applies
+    )
 
     def __init__(self, cfg: Qwen2VLConfig) -> None:
         super().__init__()
@@ -328,6 +331,14 @@ class Qwen2VLDecoder(nn.Module):
     def make_rotary(cfg) -> MRotaryEmbedding:
         return MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
+    def fused_step(self, input_ids, positions, kv_caches, meta, mm_rows) -> torch.Tensor | None:
+        """The step's hidden states through :attr:`fused`, or ``None`` where it does not apply."""
+        if self.fused is None or not self.fused.applies(input_ids, meta, mm_rows):
+            return None
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.norm(self.fused.run(x, cos, sin, kv_caches, meta))
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -338,6 +349,9 @@ class Qwen2VLDecoder(nn.Module):
         mm_rows: torch.Tensor | None = None,
         mm_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        fused = self.fused_step(input_ids, positions, kv_caches, meta, mm_rows)
+        if fused is not None:
+            return fused
         x = self.embed_tokens(input_ids)
         if mm_rows is not None and mm_rows.numel():
             x[mm_rows] = mm_embeds.to(x.dtype)

@@ -184,6 +184,9 @@ class Qwen3VLDecoder(Qwen2VLDecoder):
         mm_rows: torch.Tensor | None = None,
         mm_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        fused = self.fused_step(input_ids, positions, kv_caches, meta, mm_rows)
+        if fused is not None:
+            return fused
         x = self.embed_tokens(input_ids)
         levels: list[torch.Tensor] = []
         if mm_rows is not None and mm_rows.numel():

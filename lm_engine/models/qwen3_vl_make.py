@@ -236,13 +236,14 @@ def build_config(preset: str | Preset) -> dict:
 
 
 def make_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, shard_size_bytes: int | None = None
+    out_dir: str | Path, preset: str | Preset = "tiny", seed: int = 0, shard_size_bytes: int | None = None
 ) -> Path:
-    """Write a complete Qwen3-VL checkpoint directory and return its path (``shard_size_bytes`` None: the
-    preset's own, HF-like shards for the published shapes)."""
-    if preset not in PRESETS:
+    """Write a complete Qwen3-VL checkpoint directory and return its path (``preset``: a name or a
+    :class:`Preset` of one's own; ``shard_size_bytes`` None: the preset's own, HF-like shards for the published
+    shapes)."""
+    if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    p = PRESETS[preset]
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
