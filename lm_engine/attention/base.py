@@ -116,27 +116,15 @@ class AttentionBackend(ABC):
         """q: [T, H, D]; k, v: [T, KVH, D] for the flat batch. Returns [T, H, D]."""
         self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, all_written=meta.all_slots_written)
         nd = meta.num_decode_tokens
+        decoded = None
+        if nd:
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            decoded = self.decode(q[:nd], k_cache, v_cache, tables, lens, scale, meta.max_decode_context)
         if nd == q.shape[0]:  # a step of decodes only: the kernel's output is the layer's, no copy
-            return self.decode(
-                q,
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                scale,
-                meta.max_decode_context,
-            )
+            return decoded
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self.decode(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                scale,
-                meta.max_decode_context,
-            )
+            out[:nd] = decoded
         for (start, q_len, context_len), table in zip(meta.prefill_spans, meta.prefill_block_tables):
             sl = slice(start, start + q_len)
             out[sl] = self.prefill(q[sl], k[sl], v[sl], k_cache, v_cache, table, context_len, scale)
