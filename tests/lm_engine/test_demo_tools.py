@@ -1,5 +1,7 @@
-"""The demo task set's tool requests (``demo_tools``): every call reply parses as a Hermes block whose arguments
-validate against the called function's schema (jsonschema) and say what the picture shows."""
+"""The demo task set's tool requests (``demo_tools``) and the rows train-demo's tool phase makes of them: the
+prompt is the server's own (its processor's tokens for the same messages and tools), the tools section parses
+back to the tools offered, and every call reply parses as a Hermes block whose arguments validate against the
+called function's schema (jsonschema) and say what the picture shows."""
 
 from __future__ import annotations
 
@@ -12,11 +14,14 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
+from lm_engine.models import demo, demo_tools
 from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_tools
+from lm_engine.models.demo_train import Encoder, make_batch
+from lm_engine.processor import InputProcessor, normalize_messages
 
 N = 300
 CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>", re.S)
+TOOLS_SECTION = re.compile(r"<tools>\n(.*)\n</tools>", re.S)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +96,39 @@ def test_readme_tool_is_what_the_client_sends_for_the_readme_model():
         "function": {"name": "describe_shape", "parameters": Shape.model_json_schema()},
     }
     assert json.dumps(demo_tools.README_TOOL) == json.dumps(sent)
+
+
+def test_training_rows_are_the_servers_prompts(requests):
+    """The tool phase's row for a picture and a question: the server's processor's token ids for the same
+    messages and tools (its template, its tools section), then the reply and the end of turn; the tools
+    section in the prompt parses back to the tools offered."""
+    path = demo.SHIPPED
+    enc = Encoder(path)
+    from lm_engine.models.registry import load_model_config
+    from preprocess import PreprocessConfig
+
+    processor = InputProcessor(path, load_model_config(path), PreprocessConfig.from_checkpoint(path))
+    budget = enc.pre.max_pixels // 2
+    for ex, tools, pairs in requests[:6]:
+        system = demo_tools.system_text(tools)
+        lines = TOOLS_SECTION.search(system).group(1).split("\n")
+        assert [json.loads(line) for line in lines] == tools
+        batch = make_batch(enc, [ex], [budget], asks=[(system, pairs)], targets=False)
+        ids, block, labels = batch["input_ids"][0], batch["block"][0], batch["labels"][0]
+        for k, (question, reply) in enumerate(pairs, start=1):
+            messages = [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": ex.data}, {"type": "text", "text": question}],
+                }
+            ]
+            chat = normalize_messages(messages)
+            chat.tools = tools
+            want = processor.process_chat(chat, budget=lambda detail: budget).token_ids
+            row = ids[(block == 0) | (block == k)].tolist()
+            answer = enc.tok.encode(reply, add_special_tokens=False).ids + [enc.end]
+            assert row == want + answer
+            assert labels[block == k].tolist()[-len(answer) - 1 : -1] == answer
 
 
 def test_eval_cases_ask_for_a_call_the_picture_answers():
