@@ -188,7 +188,8 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         "the synthetic task set's five questions (colour, shape, count, written number, description) and "
         "writes a normal checkpoint directory that transformers and vlmserve load. Deterministic for a seed: "
         "a fixed number of optimizer steps over images drawn from it. The default run takes up to 45 minutes "
-        "on 2 CPU cores; progress and held-out accuracy go to stderr.",
+        "on 2 CPU cores; progress and held-out accuracy go to stderr. With --from DIR it runs the tool phase "
+        "alone, from a trained checkpoint.",
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument(
