@@ -178,7 +178,9 @@ class TrainConfig:
     tool_steps: int = 300
     tool_images: int = 6
     tool_lr: float = 3e-4
-    tool_weight: float = 1.0  # the tools rows' mean loss weighted by this in a step's loss (only 1 measured)
+    # the tools rows' mean loss weighted by this in a step's loss; only 1 measured (a run at 4 was stopped at step
+    # 121 of 300 on a contended machine, before any held-out figure)
+    tool_weight: float = 1.0
     # matmuls under bfloat16 autocast ("bfloat16"), in float32, or "auto": bfloat16 where this CPU's
     # start-up probe finds it fast (AVX512-BF16, AMX), float32 where it would be emulated (AVX2 only:
     # 30-100× slower). The shipped checkpoint was trained under bfloat16 autocast.
