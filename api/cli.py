@@ -188,9 +188,24 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         "the synthetic task set's five questions (colour, shape, count, written number, description) and "
         "writes a normal checkpoint directory that transformers and vlmserve load. Deterministic for a seed: "
         "a fixed number of optimizer steps over images drawn from it. The default run takes up to 45 minutes "
-        "on 2 CPU cores; progress and held-out accuracy go to stderr.",
+        "on 2 CPU cores; progress and held-out accuracy go to stderr. With --from DIR it runs the tool phase "
+        "alone, from a trained checkpoint.",
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument(
+        "--from",
+        dest="base",
+        metavar="DIR",
+        help="start from this trained demo checkpoint and run the tool phase alone: the model learns to read "
+        "the picture with tools in its prompt and to answer with a <tool_call> (the shipped checkpoint is "
+        "a run of the first two phases, then this)",
+    )
+    p.add_argument(
+        "--tool-steps",
+        type=int,
+        default=t("tool_steps"),
+        help="with --from: steps of the tool phase (default: %(default)s)",
+    )
     p.add_argument(
         "--seed", type=int, default=t("seed"), help="initialisation and task-set seed (default: %(default)s)"
     )
@@ -258,6 +273,7 @@ def train_demo_config(args: argparse.Namespace):
         compute_dtype=args.compute_dtype,
         frozen_tower_blocks=args.frozen_tower_blocks,
         decoder_attention=args.decoder_attention,
+        tool_steps=args.tool_steps,
     )
 
 
@@ -273,7 +289,10 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
             print(f"[train-demo] restarting with {env['LD_PRELOAD']} preloaded", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os.execve(sys.executable, argv, env)
-    path = demo_train.train(args.out, train_demo_config(args), tower_snapshot=args.tower_snapshot)
+    if args.base is not None:
+        path = demo_train.train_tools(args.out, args.base, train_demo_config(args))
+    else:
+        path = demo_train.train(args.out, train_demo_config(args), tower_snapshot=args.tower_snapshot)
     print(f"wrote the demo checkpoint to {path}")
     return 0
 

@@ -27,13 +27,19 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
         calls.append((out, cfg, tower_snapshot))
         return Path(out)
 
+    def train_tools(out, base, cfg):
+        calls.append((out, cfg, f"from {base}"))
+        return Path(out)
+
     monkeypatch.setattr(demo_train, "train", train)
+    monkeypatch.setattr(demo_train, "train_tools", train_tools)
     out, kept = str(tmp_path / "ckpt"), str(tmp_path / "tower")
     flags = ["--seed", "3", "--tower-steps", "9", "--steps", "17", "--batch-images", "5", "--eval-every", "0"]
     flags += ["--compute-dtype", "float32", "--tower-snapshot", kept]
     flags += ["--frozen-tower-blocks", "4", "--decoder-attention", "math"]
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
+    assert main(["train-demo", "--out", out, "--from", kept, "--tool-steps", "7", "--seed", "2"]) == 0
     assert calls == [
         (
             out,
@@ -50,6 +56,7 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
             kept,
         ),
         (out, TrainConfig(), None),
+        (out, TrainConfig(seed=2, tool_steps=7), f"from {kept}"),
     ]
     with pytest.raises(SystemExit):
         main(["train-demo"])  # --out is required

@@ -51,8 +51,12 @@ def test_serve_loads_the_shipped_checkpoint_within_the_issue_bounds(monkeypatch)
     assert sum(t.numel() for t in stored.values()) <= 30_000_000
     config = json.loads((demo.SHIPPED / "config.json").read_text())
     assert config["model_type"] == "qwen2_vl"
-    # what train-demo recorded about the run that wrote it
+    # what train-demo recorded about the run that wrote it; a tool phase (train-demo --from) records its own
+    # time and, under "from", what the run it started from recorded
     meta = json.loads((demo.SHIPPED / "demo_training.json").read_text())
+    while "from" in meta:
+        assert meta["phase"] == "tools" and meta["train_config"]["tool_steps"] > 0
+        meta = meta["from"]["training"]
     # a run whose first phase came from a kept snapshot (--tower-snapshot) records the second phase's time
     # alone and the first phase's under "tower_phase_from": the bound is on both together
     tower = meta.get("tower_phase_from", {}).get("seconds", 0.0)
