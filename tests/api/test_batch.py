@@ -270,7 +270,11 @@ def test_tools_in_batch_lines_give_parsed_calls(tmp_path):
     path.write_text("".join(line(cid, question, **body) + "\n" for cid, body in cases.items()))
     engine = LLMEngine(
         EngineConfig(
-            model=str(demo.SHIPPED), dtype="float32", max_model_len=2048, num_kv_blocks=512, preprocess_workers=0
+            model=str(demo.SHIPPED),
+            dtype="float32",
+            max_model_len=2048,
+            num_kv_blocks=512,
+            preprocess_workers=0,
         )
     )
     try:
