@@ -1103,6 +1103,18 @@ def lr_at(step: int, cfg: TrainConfig, steps: int | None = None, lr: float | Non
 PURGE_EVERY = 25
 
 
+def _adamw(named: list[tuple[str, torch.nn.Parameter]], lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over ``named`` parameters, weight decay on matrices other than embeddings only."""
+    decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
+
+
 def train(
     out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=None, tower_snapshot: str | Path | None = None
 ) -> Path:
@@ -1133,14 +1145,7 @@ def train(
         f"{allocator_in_use()}'s malloc"
     )
     named = list(model.named_parameters()) + (list(aux.named_parameters(prefix="aux")) if aux else [])
-    decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-        eps=1e-8,
-    )
+    opt = _adamw(named, cfg.lr, cfg.weight_decay)
     enc = Encoder(out)
     held_out = tasks.eval_set(cfg.eval_seed, cfg.eval_per_task)
     t0 = time.perf_counter()
@@ -1428,14 +1433,7 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
     model.model.visual.requires_grad_(False)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
-    decay = [p for n, p in named if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in named if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.tool_lr,
-        betas=(0.9, 0.98),
-        eps=1e-8,
-    )
+    opt = _adamw(named, cfg.tool_lr, cfg.weight_decay)
     log(
         f"[train-demo] tools: {cfg.tool_steps} steps of {cfg.batch_images} images ({cfg.tool_images} with tools) "
         f"from {base}, {sum(p.numel() for p in params) / 1e6:.1f}M parameters trained (the tower frozen), "
