@@ -67,11 +67,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "skinny_linear")
     args = ap.parse_args()
 
-    found = packing.skinny_library()
-    block = packing.skinny_layout_block()
-    if found is None or not packing.native_bf16() or not block:
+    path, _ = packing.skinny_here()
+    if not path or not packing.native_bf16():
         sys.exit("the few-row kernel does not apply on this machine (no AMX/AVX512-BF16, or oneDNN's layout)")
-    path = packing.skinny_code(found[1], block)
     shapes = decoder_shapes(args.preset)
     total = sum(n * k * 2 for n, k, _ in shapes)
     print(f"{args.preset}: {len(shapes)} linear layers, {total / 1e9:.2f} GB of bfloat16 weights", flush=True)

@@ -293,6 +293,14 @@ def skinny_code(isa: str, block: int) -> int:
     return _SKINNY_PATHS.get((isa, block), 0)
 
 
+def skinny_here() -> tuple[int, int]:
+    """The path the few-row kernel runs here and the block of oneDNN's layout it reads, or (0, 0) where none
+    applies (no library, or a layout of another kind)."""
+    found, block = skinny_library(), skinny_layout_block()
+    path = skinny_code(found[1], block) if found is not None and block else 0
+    return (path, block) if path else (0, 0)
+
+
 def packed_words(packed: torch.Tensor) -> torch.Tensor | None:
     """The raw 16-bit words of a oneDNN-packed bfloat16 weight, as a flat int16 tensor sharing its memory (and
     holding ``packed`` alive), or ``None`` where this torch cannot say where they are."""
@@ -357,19 +365,13 @@ def skinny_path(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.T
     """The path of skinny_linear.c that runs this packed weight's calls of up to :data:`SKINNY_ROWS` rows, or 0:
     the library, the shape (multiples of 32), the layout (:func:`vnni_layout`) and a one-time timing
     (:func:`skinny_is_faster`) must all allow it."""
-    found, block = skinny_library(), skinny_layout_block()
+    path, block = skinny_here()
     n, k = weight.shape
-    if (
-        found is None
-        or not block
-        or n % block
-        or k % 32
-        or (bias is not None and bias.dtype != torch.bfloat16)
-    ):
+    if not path or n % block or k % 32 or (bias is not None and bias.dtype != torch.bfloat16):
         return 0
     if not (vnni_layout(weight, packed_words(packed), block) and skinny_is_faster()):
         return 0
-    return skinny_code(found[1], block)
+    return path
 
 
 def skinny_call(x: torch.Tensor, address: int, n: int, bias: torch.Tensor | None, path: int) -> torch.Tensor:
@@ -409,13 +411,10 @@ def skinny_linear(linear: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def skinny_is_faster(rounds: int = 15) -> bool:
     """Timed once per machine and library build (the start-up probe cache), see :func:`_time_skinny`."""
-    found = skinny_library()
-    if found is None:
-        return False
-    path = skinny_code(found[1], skinny_layout_block())
-    args = {"lib": library_tag(found[0]), "path": path, "weight": list(SKINNY_PROBE_SHAPE)}
+    path, _ = skinny_here()
     if not path:
         return False
+    args = {"lib": library_tag(skinny_library()[0]), "path": path, "weight": list(SKINNY_PROBE_SHAPE)}
     return bool(cached_probe("skinny_linear", args, lambda: _time_skinny(rounds)))
 
 
@@ -432,8 +431,7 @@ def _time_skinny(rounds: int) -> bool:
     weight = torch.randn(n, k).to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
     words = packed_words(packed)
-    block = skinny_layout_block()
-    path = skinny_code(skinny_library()[1], block)
+    path, block = skinny_here()
     if not (path and vnni_layout(weight, words, block)):
         return False
     del weight

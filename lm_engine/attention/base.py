@@ -50,10 +50,8 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-        all_written: bool = False,
+        all_written: bool = False,  # the caller knows every slot is >= 0: the write may skip looking
     ) -> None: ...
-
-    # ``all_written``: the caller knows every slot is >= 0 (the write may skip looking)
 
     @abstractmethod
     def decode(

@@ -118,10 +118,10 @@ class CpuBackend(TorchBackend):
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
         if not cpu_kernels.supports(q, k_cache):
             return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
-        if max_context <= 0:
-            max_context = int(context_lens.max())
         if context_lens is not self._lens:  # a new step's lengths (its layers share one tensor): read once
             self._lens, self._lens_max = context_lens, int(context_lens.max()) if context_lens.numel() else 0
+        if max_context <= 0:
+            max_context = self._lens_max
         return cpu_kernels.paged_decode(
             self.lib,
             q,

@@ -205,7 +205,7 @@ class FusedDecode:
             raise ValueError(
                 f"context of {longest} tokens exceeds the block table ({tables.shape[1]} blocks)"
             )
-        work = max(meta.max_decode_context, longest) * m * self.kv_heads
+        work = longest * m * self.kv_heads  # as CpuBackend sizes the attention kernel's threads
         threads = torch.get_num_threads()
         s = self.step
         s.m, s.block_size, s.table_stride = m, block_size, tables.shape[1]

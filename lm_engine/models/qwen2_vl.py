@@ -241,9 +241,8 @@ class Attention(nn.Module):
         self.lib = None
 
     def take_lib(self, lib) -> bool:
-        weight = next(
-            self.o_proj.parameters(), None
-        )  # a packed layer may hold none: the step's dtype decides
+        # a packed layer may hold no parameter: the step's dtype decides then
+        weight = next(self.o_proj.parameters(), None)
         if lib is None or (weight is not None and weight.device.type != "cpu"):
             return False
         self.lib = lib
@@ -252,17 +251,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin):
-            q = qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-            out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-            return self.o_proj(out.reshape(t, self.q_size))
         # q's and k's heads rotated together: the same ops on every element, once instead of twice
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q, k = (qk * c + _rotate_half(qk) * s).split([self.num_heads, self.num_kv_heads], dim=1)
+        if not step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin):
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            qk = qk * c + _rotate_half(qk) * s
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (rotated in place by the kernel)
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -314,9 +309,8 @@ class Qwen2VLDecoder(nn.Module):
     deepstack rows: it names them in :attr:`attention` and :meth:`make_rotary`."""
 
     attention: type[nn.Module] = Attention
-    fused = (
-        None  # a decode step's layers in one call each (lm_engine/models/fused_decode.py), where it applies
-    )
+    # a decode step's layers in one call each (lm_engine/models/fused_decode.py), where it applies
+    fused = None
 
     def __init__(self, cfg: Qwen2VLConfig) -> None:
         super().__init__()

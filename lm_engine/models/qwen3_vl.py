@@ -139,25 +139,15 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         norms = (self.num_heads, self.q_norm.weight.detach(), self.k_norm.weight.detach(), self.q_norm.eps)
-        if step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin, norms):
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            out = backend.forward(
-                q.view(t, self.num_heads, self.head_dim),
-                k.view(t, self.num_kv_heads, self.head_dim),
-                v.view(t, self.num_kv_heads, self.head_dim),
-                k_cache,
-                v_cache,
-                meta,
-                self.scale,
-            )
-            return self.o_proj(out.reshape(t, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * c + _rotate_half(q) * s
-        k = k * c + _rotate_half(k) * s
+        if not step_rotary(self.lib, qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin, norms):
+            q, k = self.q_norm(q), self.k_norm(k)
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            q = q * c + _rotate_half(q) * s
+            k = k * c + _rotate_half(k) * s
         out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
