@@ -1653,6 +1653,23 @@ typedef struct {
     float eps;
 } norm_job_t;
 
+/* 1 / sqrt(mean(x²) + eps) over one row of `cols` float32 or bfloat16 elements, the squares summed in one order:
+ * the norm kernel's and the q/k norms of vlm_rope_heads (whose bits must agree). */
+static inline float inv_rms(const void *x, int64_t cols, int64_t bf16, float eps) {
+    const int64_t full = cols / VW * VW;
+    vf acc = {};
+    for (int64_t c = 0; c < full; c += VW) {
+        const vf v = load_elems(x, c, bf16);
+        acc += v * v;
+    }
+    float ss = vsum_all(acc);
+    for (int64_t c = full; c < cols; c++) {
+        const float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[c]) : ((const float *)x)[c];
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)cols + eps);
+}
+
 /* Rows [16u, 16u + 16): out = weight · round(x · rsqrt(mean(x²) + eps)), as transformers' Qwen2RMSNorm computes it
  * (in float32; the normalised row rounded to the input dtype before the weight, the product rounded again). */
 static void rms_norm_unit(job_t *jb, int64_t u) {
@@ -1661,17 +1678,8 @@ static void rms_norm_unit(job_t *jb, int64_t u) {
     const int64_t full = cols / VW * VW;
     for (int64_t r = u * ACT_ROWS; r < r1; r++) {
         const int64_t row = r * cols;
-        vf acc = {};
-        for (int64_t c = 0; c < full; c += VW) {
-            const vf x = load_elems(j->x, row + c, j->bf16);
-            acc += x * x;
-        }
-        float ss = vsum_all(acc);
-        for (int64_t c = full; c < cols; c++) {
-            const float x = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[row + c]) : ((const float *)j->x)[row + c];
-            ss += x * x;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)cols + j->eps);
+        const char *xr = (const char *)j->x + row * (j->bf16 ? 2 : 4);
+        const float inv = inv_rms(xr, cols, j->bf16, j->eps);
         for (int64_t c = 0; c < full; c += VW) {
             vf t = load_elems(j->x, row + c, j->bf16) * inv;
             if (j->bf16) t = round_bf16(t);
@@ -1778,17 +1786,11 @@ static void rope_unit(job_t *jb, int64_t u) {
             uint16_t *x = j->x + r * j->stride + h * d;
             const uint16_t *w = h < j->q_heads ? j->wq : j->wk;
             if (w) {
-                const int64_t full = d / VW * VW;
-                vf acc = {};
-                for (int64_t e = 0; e < full; e += VW) {
-                    const vf v = load_elems(x, e, 1);
-                    acc += v * v;
+                const float inv = inv_rms(x, d, 1, j->eps);
+                for (int64_t e = 0; e < d; e++) {
+                    const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[e]) * inv));
+                    t[e] = bf16_to_f32(f32_to_bf16(bf16_to_f32(w[e]) * normed));
                 }
-                float ss = vsum_all(acc);
-                for (int64_t e = full; e < d; e++) ss += bf16_to_f32(x[e]) * bf16_to_f32(x[e]);
-                const float inv = 1.0f / sqrtf(ss / (float)d + j->eps);
-                for (int64_t e = 0; e < d; e++)
-                    t[e] = bf16_to_f32(f32_to_bf16(bf16_to_f32(w[e]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[e]) * inv))));
             } else {
                 for (int64_t e = 0; e < d; e++) t[e] = bf16_to_f32(x[e]);
             }
