@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                 row[name] = one_stream(servers[name], rs.decode_prompt(r), args.tokens)
             row["read_gbs"] = rs.read_bandwidth(1 << 30, 3)["gbs"]
             row["floor_ms"] = rs.floor_ms(floor_bytes, row["read_gbs"])
+            for name in servers:
+                ms = row[name]["ms_per_token"]
+                row[name]["over_floor"] = ms / row["floor_ms"] if ms and row["floor_ms"] else None
             a, b = row["vlmserve"]["ms_per_token"], row["llama.cpp"]["ms_per_token"]
             row["ratio"] = a / b if a and b else None
             rounds.append(row)
@@ -128,16 +131,8 @@ def main(argv=None) -> int:
         "llamacpp_ms": med("llama.cpp", "ms_per_token"),
         "ratio_median": med("ratio"),
         "floor_ms_median": med("floor_ms"),
-        "vlmserve_over_floor": statistics.median(
-            [r["vlmserve"]["ms_per_token"] / r["floor_ms"] for r in rounds if r["vlmserve"]["ms_per_token"]]
-        )
-        if rounds
-        else None,
-        "llamacpp_over_floor": statistics.median(
-            [r["llama.cpp"]["ms_per_token"] / r["floor_ms"] for r in rounds if r["llama.cpp"]["ms_per_token"]]
-        )
-        if rounds
-        else None,
+        "vlmserve_over_floor": med("vlmserve", "over_floor"),
+        "llamacpp_over_floor": med("llama.cpp", "over_floor"),
     }
     result = {
         "label": args.label,
