@@ -118,7 +118,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    from lm_engine.memory import parse_bytes
+    from runtime.memory import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -128,7 +128,7 @@ def _size(text: str) -> int:
 
 def _process_settings(args: argparse.Namespace) -> None:
     """What the engine flags ask of the whole process, its worker processes included (they read the environment)."""
-    from preprocess.timing_cache import REMEASURE_VARIABLE
+    from runtime.timing_cache import REMEASURE_VARIABLE
 
     if args.remeasure_probes:
         os.environ[REMEASURE_VARIABLE] = "1"
@@ -278,8 +278,8 @@ def train_demo_config(args: argparse.Namespace):
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
-    from lm_engine import memory
     from lm_engine.models import demo_train
+    from runtime import memory
 
     # From a command line: run again under jemalloc where it is installed (memory.jemalloc_relaunch).
     if args.command_line is not None:
@@ -600,8 +600,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from api.server import run_server
     from encoder.tier import command as encoder_tier
     from lm_engine.config import EngineConfig
-    from lm_engine.memory import NotEnoughMemory, bound_native_caches
+    from lm_engine.memory import NotEnoughMemory
     from lm_engine.startup import StartupPhases, process_age_s
+    from runtime.memory import bound_native_caches
 
     # The time from the process's start to here (the interpreter, torch's and the server's imports) is the
     # first phase of the start-up the engine logs.
@@ -653,7 +654,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from api.batch import BatchOptions, run_batch
     from lm_engine.config import EngineConfig
     from lm_engine.engine import LLMEngine
-    from lm_engine.memory import NotEnoughMemory, bound_native_caches
+    from lm_engine.memory import NotEnoughMemory
+    from runtime.memory import bound_native_caches
 
     bound_native_caches()
     _process_settings(args)

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from preprocess.native import load_library  # noqa: E402
+from runtime.native import load_library  # noqa: E402
 
 KERNEL = ROOT / "encoder" / "attention" / "csrc" / "varlen_attention.c"
 BENCH = Path(__file__).parent / "csrc" / "amx_step.c"

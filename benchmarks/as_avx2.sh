@@ -12,7 +12,7 @@ flags=$(grep -m1 -E '^flags' /proc/cpuinfo 2>/dev/null || true)
 for f in avx2 fma f16c; do
   [[ " $flags " == *" $f "* ]] || { echo "as_avx2.sh: this CPU lacks $f; it cannot run the AVX2 build" >&2; exit 2; }
 done
-export VLMSERVE_MARCH="${VLMSERVE_MARCH:-znver3}"  # preprocess.native builds our kernels for it
+export VLMSERVE_MARCH="${VLMSERVE_MARCH:-znver3}"  # runtime.native builds our kernels for it
 export VLMSERVE_EMULATED_ISA="avx2 (built -march=$VLMSERVE_MARCH; torch held to AVX2)"
 export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 exec "$@"

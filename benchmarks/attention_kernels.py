@@ -130,9 +130,9 @@ def _cpu_ms(fn, min_s: float = 0.5) -> float:
 
 
 def bench_cpu_decode(block_size: int, seed: int) -> int:
-    from lm_engine.attention import cpu_kernels
+    from runtime import paged_decode
 
-    lib = cpu_kernels.load()
+    lib = paged_decode.load()
     if lib is None:
         print("attention_kernels --cpu: the kernel did not build (no C compiler?), nothing to measure")
         return 1
@@ -157,7 +157,9 @@ def bench_cpu_decode(block_size: int, seed: int) -> int:
         q = torch.randn(num_seqs, heads, head_dim, generator=gen)
         scale, max_ctx = head_dim**-0.5, int(lens.max())
         run_torch = partial(paged_decode, q, k_cache, v_cache, tables, lens, scale, max_ctx)
-        run_kernel = partial(cpu_kernels.paged_decode, lib, q, k_cache, v_cache, tables, lens, scale, max_ctx)
+        run_kernel = partial(
+            paged_decode.paged_decode, lib, q, k_cache, v_cache, tables, lens, scale, max_ctx
+        )
         diff = (run_kernel() - run_torch()).abs().max().item()
         t_torch, t_kernel = _cpu_ms(run_torch), _cpu_ms(run_kernel)
         kv_bytes = 2 * int(lens.sum()) * kv_heads * head_dim * 4

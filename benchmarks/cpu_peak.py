@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from preprocess.native import load_library
+from runtime.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_peak.c"
 KINDS = {"float32": 0, "bfloat16": 1, "amx-bf16": 2}

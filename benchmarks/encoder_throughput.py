@@ -165,8 +165,8 @@ class HookTimer:
         attention_cls: tuple[type, ...],
         device: torch.device = CPU,
     ) -> None:
-        from encoder.models.linear import KernelLinear, PackedLinear
         from encoder.models.qwen2_5_vl import GatedMlp
+        from runtime.linear import KernelLinear, PackedLinear
 
         self.times = {"linear": 0.0, "attention": 0.0, "projections": 0.0}
         self.device = device
@@ -242,7 +242,7 @@ def build_ours(
     """(config.json, our tower with the checkpoint's weights on ``device``, linear layers packed as the server
     runs it)."""
     from encoder.models import build_vision_tower
-    from encoder.models.linear import pack_linears
+    from runtime.linear import pack_linears
 
     config = json.loads((model_dir / "config.json").read_text())
     ours = build_vision_tower(config, model_dir, dtype=dtype, device=device, attention=attention)
@@ -255,7 +255,7 @@ def build_qwen3_towers(model_dir: Path, dtype: torch.dtype, attention: str, devi
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionAttention, Qwen3VLVisionModel
 
     from encoder.models.qwen2_vl import Attention
-    from encoder.models.weights import read_tensors
+    from runtime.weights import read_tensors
 
     config, ours = build_ours(model_dir, dtype, attention, device)
     hf_cfg = Qwen3VLVisionConfig(**config["vision_config"])
@@ -280,7 +280,7 @@ def build_towers(model_dir: Path, dtype: torch.dtype, attention: str, device: to
 
     from encoder.models import family_of
     from encoder.models.qwen2_vl import Attention
-    from encoder.models.weights import read_tensors
+    from runtime.weights import read_tensors
 
     config, ours = build_ours(model_dir, dtype, attention, device)
     if family_of(config) == "qwen2_5_vl":
@@ -403,7 +403,7 @@ def linear_kinds(model: torch.nn.Module) -> str:
     """Which implementation runs the tower's linear layers, e.g. ``KernelLinear × 26``."""
     from collections import Counter
 
-    from encoder.models.linear import KernelLinear, PackedLinear
+    from runtime.linear import KernelLinear, PackedLinear
 
     kinds = (KernelLinear, PackedLinear, torch.nn.Linear)
     counts = Counter(type(m).__name__ for m in model.modules() if isinstance(m, kinds))

@@ -840,7 +840,7 @@ def tower_rate(model_dir: Path, dtype, side: int, repeat: int) -> dict:
 
     from benchmarks.encoder_throughput import image_grids, work
     from encoder.models import build_vision_tower
-    from encoder.models.linear import pack_linears
+    from runtime.linear import pack_linears
 
     raw = json.loads((model_dir / "config.json").read_text())
     tower = build_vision_tower(raw, model_dir, dtype=dtype, device="cpu")
@@ -866,10 +866,10 @@ def prefill_rate(model_dir: Path, dtype, tokens: int, repeat: int) -> dict:
     backend), into throwaway paged caches, as the engine's start-up warm-up step runs it."""
     import torch
 
-    from encoder.models.linear import pack_linears
-    from encoder.models.weights import uninitialized
     from lm_engine.attention import AttentionMetadata, get_backend
     from lm_engine.models.registry import build_decoder, load_model_config
+    from runtime.linear import pack_linears
+    from runtime.weights import uninitialized
 
     cfg = load_model_config(model_dir)
     with torch.device("cpu"), uninitialized(dtype):

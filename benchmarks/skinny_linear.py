@@ -1,5 +1,5 @@
 """A decode step's linear layers at a published shape, on oneDNN's call and on the few-row kernel
-(encoder/models/csrc/skinny_linear.c), against a plain read of the same bytes.
+(runtime/csrc/skinny_linear.c), against a plain read of the same bytes.
 
     .venv/bin/python benchmarks/skinny_linear.py --preset qwen2-vl-2b          # 3.1 GB of weights, ~1 min
     .venv/bin/python benchmarks/skinny_linear.py --preset qwen2.5-vl-7b --rows 1   # 15 GB: nothing else running
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.real_size import cpu_info  # noqa: E402
-from encoder.models import linear as packing  # noqa: E402
 from lm_engine.models.qwen2_vl_make import PRESETS  # noqa: E402
+from runtime import linear as packing  # noqa: E402
 
 
 def decoder_shapes(preset: str) -> list[tuple[int, int, bool]]:

@@ -19,10 +19,8 @@ from lm_engine.images import EncodedImages
 from lm_engine.load import LoadControl
 from lm_engine.memory import (
     MemoryPlan,
-    available_memory_bytes,
     check_fit,
     checkpoint_weight_bytes,
-    format_bytes,
     kv_bytes_per_token,
     runtime_reserve_bytes,
 )
@@ -39,6 +37,7 @@ from lm_engine.startup import StartupPhases
 from lm_engine.structured import GrammarError, GrammarMasks, Grammars, GrammarState
 from lm_engine.visual_budget import default_ladder
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
+from runtime.memory import available_memory_bytes, format_bytes
 
 log = logging.getLogger("vlmserve.engine")
 

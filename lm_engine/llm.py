@@ -9,9 +9,9 @@ from tqdm.auto import tqdm
 
 from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
-from lm_engine.memory import bound_native_caches
 from lm_engine.outputs import RequestOutput
 from lm_engine.sampling_params import SamplingParams
+from runtime.memory import bound_native_caches
 
 
 class LLM:

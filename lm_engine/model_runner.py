@@ -9,29 +9,21 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingKey
-from encoder.attention import cpu_kernel as vision_kernel
 from encoder.models import build_vision_tower
-from encoder.models.linear import pack_linears
-from encoder.models.weights import uninitialized
 from lm_engine.attention import AttentionMetadata, get_backend
 from lm_engine.config import EngineConfig
 from lm_engine.device import DeviceBinding, synchronize, to_device
-from lm_engine.memory import (
-    MemoryPlan,
-    NotEnoughMemory,
-    available_memory_bytes,
-    format_bytes,
-    kv_budget_bytes,
-    kv_bytes_per_token,
-    peak_rss_bytes,
-    zeroed_pool,
-)
+from lm_engine.memory import MemoryPlan, NotEnoughMemory, kv_budget_bytes, kv_bytes_per_token, zeroed_pool
 from lm_engine.models.fused_decode import FusedDecode
 from lm_engine.models.qwen2_vl import use_step_kernels
 from lm_engine.models.registry import ModelConfig, build_decoder
 from lm_engine.scheduler import ScheduledChunk, SchedulerOutput
 from lm_engine.startup import StartupPhases
 from lm_engine.step_inputs import build_step
+from runtime import cpu_kernel
+from runtime.linear import pack_linears
+from runtime.memory import available_memory_bytes, format_bytes, peak_rss_bytes
+from runtime.weights import uninitialized
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -77,7 +69,7 @@ class ModelRunner:
         packed = pack_linears(self.model, pool="prefill") + pack_linears(self.vision, pool="vision")
         if packed:
             log.info("%d linear layers with weights packed (oneDNN's bfloat16 or our float32 kernel)", packed)
-        steps = use_step_kernels(self.model, vision_kernel.load()) if dtype == torch.bfloat16 else 0
+        steps = use_step_kernels(self.model, cpu_kernel.load()) if dtype == torch.bfloat16 else 0
         if steps:
             log.info("%d decoder norms and MLPs on the compiled kernels in decode steps", steps)
         phases.lap("pack")

@@ -1,7 +1,7 @@
 """What each part of an engine's start took, for the log line and the server's metrics.
 
 The phases are laps of one clock: each covers the time since the one before, so they add up to the whole start.
-Time spent measuring start-up probes (preprocess/timing_cache.py) is moved out of the phase that ran them into
+Time spent measuring start-up probes (runtime/timing_cache.py) is moved out of the phase that ran them into
 ``probes``, which reads 0.0 s once the results are cached.
 """
 
@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable
 
-from preprocess.timing_cache import measured_seconds
+from runtime.timing_cache import measured_seconds
 
 
 class StartupPhases:

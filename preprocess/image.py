@@ -21,8 +21,8 @@ from PIL import Image
 from preprocess.config import PreprocessConfig
 from preprocess.errors import CORRUPT, DECOMPRESSION_BOMB, PreprocessError
 from preprocess.grid import plan_grid
-from preprocess.native import load_library, switched_off
 from preprocess.probe import ImageInfo, open_image
+from runtime.native import load_library, switched_off
 
 # EXIF orientation → the transpose that makes the image upright (as PIL.ImageOps.exif_transpose).
 _UPRIGHT = {

@@ -10,7 +10,7 @@ from tests.support import EOS_PROBE, HFOracle, redis_client
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Start-up probe results go to a directory of this run's own (preprocess/timing_cache.py): a test never reads
+    """Start-up probe results go to a directory of this run's own (runtime/timing_cache.py): a test never reads
     what an earlier run or the user's ~/.cache measured, and servers started in subprocesses inherit it."""
     import os
     import tempfile

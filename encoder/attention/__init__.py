@@ -2,7 +2,7 @@
 
 Two implementations of one contract (:class:`VarlenAttention`): plain torch (rotary + SDPA, one call per
 segment length, the reference the kernel is tested against, and the CUDA path) and the compiled CPU kernel
-(:mod:`encoder.attention.cpu_kernel`: rotary fused into its packing, tiled, no score matrix materialised).
+(:mod:`runtime.cpu_kernel`: rotary fused into its packing, tiled, no score matrix materialised).
 :func:`choose_attention` picks one by timing them on this machine, as ``resolve_dtype`` does for the dtype.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from encoder.attention import cpu_kernel
-from preprocess.native import best_times
-from preprocess.timing_cache import cached_probe, library_tag
+from runtime import cpu_kernel
+from runtime.native import best_times
+from runtime.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.encoder")
 
@@ -128,7 +128,7 @@ def choose_attention(
 ) -> VarlenAttention:
     """``torch``, ``cpu-kernel`` or ``auto``: on the CPU the fastest of torch and the kernel's variants (its
     products on AMX tiles too, for bfloat16 where the CPU has them) on a 1024-patch image of this shape, timed
-    once per CPU and torch version (a few ms; preprocess/timing_cache.py); the torch path where the kernel does
+    once per CPU and torch version (a few ms; runtime/timing_cache.py); the torch path where the kernel does
     not apply. ``cpu-kernel`` times only the kernel's own variants."""
     if name not in ("auto", "torch", "cpu-kernel"):
         raise ValueError(f"vision attention must be auto, torch or cpu-kernel, got {name!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from encoder.models.base import VisionTower
 from encoder.models.qwen2_5_vl import Qwen25VisionConfig, Qwen25VisionTower
 from encoder.models.qwen2_vl import Qwen2VisionTower, VisionConfig
 from encoder.models.qwen3_vl import Qwen3VisionConfig, Qwen3VisionTower
-from encoder.models.weights import uninitialized
+from runtime.weights import uninitialized
 
 _ARCHITECTURES = {
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
@@ -30,6 +31,34 @@ def family_of(config: dict) -> str:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
     raise ValueError(f"no vision tower for model_type {model_type!r}; supported: {sorted(_TOWERS)}")
+
+
+_WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def read_config(checkpoint: str | Path) -> dict:
+    """A checkpoint's config.json, read."""
+    cfg_file = Path(checkpoint) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"checkpoint {checkpoint} has no config.json")
+    return json.loads(cfg_file.read_text())
+
+
+def checkpoint_dtype(config: dict) -> torch.dtype:
+    """The dtype a checkpoint's config names for its weights, as its family writes it (Qwen3-VL's ``dtype`` in
+    the text config, the older families' ``torch_dtype``); float32 where it names none. The decoder's config
+    and the encoder tier read it here, so both resolve one compute dtype."""
+    text = {**config, **(config.get("text_config") or {})}
+    if family_of(config) == "qwen3_vl":
+        name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype")
+    else:
+        name = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype")
+    return _WEIGHT_DTYPES.get(str(name or "float32").replace("torch.", ""), torch.float32)
+
+
+def merge_size(config: dict) -> int:
+    """How many patches a side the merger folds into one token (the vision config's ``spatial_merge_size``)."""
+    return int((config.get("vision_config") or {}).get("spatial_merge_size", 2))
 
 
 _TOWERS = {
@@ -72,6 +101,9 @@ def build_vision_tower(
 
 
 __all__ = [
+    "checkpoint_dtype",
+    "merge_size",
+    "read_config",
     "Qwen25VisionConfig",
     "Qwen25VisionTower",
     "Qwen2VisionTower",

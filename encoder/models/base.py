@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from encoder.attention import KernelAttention, VarlenAttention, choose_attention
-from encoder.models.weights import read_tensors
+from runtime.weights import read_tensors
 
 
 class PatchGeometry:

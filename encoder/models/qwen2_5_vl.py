@@ -12,7 +12,6 @@ from torch import nn
 
 from encoder.attention import Segments, VarlenAttention, cpu_kernel
 from encoder.models.base import PatchGeometry, VisionTower
-from encoder.models.linear import KernelLinear, silu_gated
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
     Attention,
@@ -23,6 +22,7 @@ from encoder.models.qwen2_vl import (
     patch_positions,
     rotary_tables,
 )
+from runtime.linear import KernelLinear, silu_gated
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,7 +111,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
         except PermissionError as exc:
             print(f"vlmserve encoder: {exc}", file=sys.stderr)
             return 2
-    from lm_engine.memory import return_freed_buffers
+    from runtime.memory import return_freed_buffers
 
     logging.getLogger().setLevel(logging.INFO)
     return_freed_buffers()

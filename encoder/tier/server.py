@@ -211,13 +211,13 @@ class _Conn:
 
 class EncoderServer:
     def __init__(self, settings: TierSettings) -> None:
-        from lm_engine.config import EngineConfig
-        from lm_engine.models.registry import load_model_config
+        from encoder.models import checkpoint_dtype, merge_size, read_config
+        from runtime.dtypes import compute_dtype
 
         self.settings = s = settings
         path = Path(s.model)
-        model_config = load_model_config(path)
-        dtype = EngineConfig(model=s.model, dtype=s.dtype, device=s.device).resolve_dtype(model_config.dtype)
+        model_config = read_config(path)
+        dtype = compute_dtype(s.dtype, checkpoint_dtype(model_config), s.device)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         # NOTE: an engine sends an image's bytes as received, which preprocessing accepts up to max_bytes.
         self.max_frame_payload = self.preprocess_config.max_bytes
@@ -243,7 +243,7 @@ class EncoderServer:
         self.pipeline = VisionPipeline(
             self.workers.encode,
             self.preprocess_config,
-            merge_size=model_config.spatial_merge_size,
+            merge_size=merge_size(model_config),
             cache=self.cache,
             pool=self.preprocess,
             max_batch_patches=s.max_batch_patches,

@@ -45,12 +45,10 @@ class BatchTimeout(RuntimeError):
 
 def load_vision(model_dir: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """The vision tower + merger the engine's ModelRunner builds, alone."""
-    from encoder.models import build_vision_tower
-    from encoder.models.linear import pack_linears
-    from lm_engine.models.registry import load_model_config
+    from encoder.models import build_vision_tower, read_config
+    from runtime.linear import pack_linears
 
-    cfg = load_model_config(Path(model_dir))
-    tower = build_vision_tower(cfg.raw, model_dir, dtype=dtype, device=device).eval()
+    tower = build_vision_tower(read_config(model_dir), model_dir, dtype=dtype, device=device).eval()
     pack_linears(tower)
     return tower
 
@@ -66,10 +64,10 @@ def _hook(n: int) -> None:
 
 def _warm(tower: torch.nn.Module, model_dir: str, device: str) -> None:
     """One small image through the tower, so the first real batch does not pay the kernels' set-up."""
-    from lm_engine.models.registry import load_model_config
+    from encoder.models import merge_size, read_config
 
-    cfg = load_model_config(Path(model_dir))
-    merge, v = cfg.spatial_merge_size, cfg.vision
+    config = read_config(model_dir)
+    merge, v = merge_size(config), config.get("vision_config") or {}
     dim = 3 * int(v.get("temporal_patch_size", 2)) * int(v.get("patch_size", 14)) ** 2
     side = 4 * merge
     with torch.no_grad():

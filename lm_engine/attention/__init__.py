@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionBackend, AttentionMetadata
 from lm_engine.attention.torch_backend import CpuBackend, TorchBackend
+from runtime import paged_decode
 
 
 def get_backend(device: str | None = None, name: str = "auto") -> AttentionBackend:
@@ -14,7 +14,7 @@ def get_backend(device: str | None = None, name: str = "auto") -> AttentionBacke
     if name == "torch":
         return TorchBackend()
     if name == "cpu" or (name == "auto" and not on_cuda):
-        lib = cpu_kernels.load()
+        lib = paged_decode.load()
         if lib is not None:
             return CpuBackend(lib)
         if name == "cpu":

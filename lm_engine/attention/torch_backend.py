@@ -1,5 +1,5 @@
 """Attention in plain torch (the reference every kernel is tested against) and the CPU backend, whose
-decode runs the compiled kernel of ``cpu_kernels`` and whose bfloat16 prefill runs the vision attention
+decode runs the compiled kernel of ``runtime.paged_decode`` and whose bfloat16 prefill runs the vision attention
 library's causal kernel, where they apply."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import time
 
 import torch
 
-from encoder.attention import cpu_kernel as vision_kernel
-from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionBackend, context_kv
-from preprocess.native import best_times
-from preprocess.timing_cache import cached_probe, library_tag
+from runtime import cpu_kernel
+from runtime import paged_decode as decode_kernel
+from runtime.native import best_times
+from runtime.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.engine")
 
@@ -97,7 +97,7 @@ class CpuBackend(TorchBackend):
     layer for gather + SDPA, 8.5 ms for the kernel (``benchmarks/attention_kernels.py --cpu``).
 
     Prefill chunks in bfloat16 run the vision attention library's causal kernel where it was built with
-    AVX512-BF16 dot products (``encoder.attention.cpu_kernel.causal_attention``): torch's CPU flash attention
+    AVX512-BF16 dot products (``runtime.cpu_kernel.causal_attention``): torch's CPU flash attention
     does not use them; where the CPU has AMX (and so does oneDNN's SDPA), the kernel's tile variant (timed
     against SDPA once per shape: see :func:`fastest_prefill`). NOTE: 12 heads over 2 kv heads × 64, 2 threads,
     AVX512-BF16 EPYC: SDPA took a 1,024-token chunk in 31.6 ms against the kernel's 10.1, 2,048: 105 against 38,
@@ -109,20 +109,20 @@ class CpuBackend(TorchBackend):
 
     def __init__(self, lib) -> None:
         self.lib = lib
-        self.prefill_lib = vision_kernel.load()
+        self.prefill_lib = cpu_kernel.load()
         # (heads, kv heads, head dim) → "sdpa", "kernel" or "kernel-amx" (its products on AMX tiles)
         self.causal_choice: dict[tuple[int, int, int], str] = {}
         self._lens: torch.Tensor | None = None  # the last step's context lengths, and their max
         self._lens_max = 0
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, max_context) -> torch.Tensor:
-        if not cpu_kernels.supports(q, k_cache):
+        if not decode_kernel.supports(q, k_cache):
             return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, max_context)
         if context_lens is not self._lens:  # a new step's lengths (its layers share one tensor): read once
             self._lens, self._lens_max = context_lens, int(context_lens.max()) if context_lens.numel() else 0
         if max_context <= 0:
             max_context = self._lens_max
-        return cpu_kernels.paged_decode(
+        return decode_kernel.paged_decode(
             self.lib,
             q,
             k_cache,
@@ -139,7 +139,7 @@ class CpuBackend(TorchBackend):
         if choice == "sdpa":
             return super().prefill(q, k, v, k_cache, v_cache, block_table, context_len, scale)
         keys, values = context_kv(k, v, k_cache, v_cache, block_table, context_len)
-        return vision_kernel.causal_attention(
+        return cpu_kernel.causal_attention(
             self.prefill_lib, q, keys, values, scale, amx=choice == "kernel-amx"
         )
 
@@ -153,9 +153,9 @@ class CpuBackend(TorchBackend):
     def prefill_choice(self, q: torch.Tensor, k: torch.Tensor) -> str:
         """What runs this prefill: ``sdpa`` where the causal kernel does not apply, else the fastest of SDPA, the
         kernel and its AMX variant, timed once per shape, CPU and torch version (at start-up: see :meth:`warmup`;
-        kept in preprocess/timing_cache.py; where AMX runs torch's attention, the vdpbf16ps kernel may not beat
+        kept in runtime/timing_cache.py; where AMX runs torch's attention, the vdpbf16ps kernel may not beat
         it)."""
-        if not vision_kernel.causal_supported(self.prefill_lib, q):
+        if not cpu_kernel.causal_supported(self.prefill_lib, q):
             return "sdpa"
         shape = (q.shape[1], k.shape[1], q.shape[2])
         if shape not in self.causal_choice:
@@ -178,11 +178,11 @@ def fastest_prefill(
     k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
     scale = head_dim**-0.5
     calls = {
-        "kernel": lambda: vision_kernel.causal_attention(lib, q, k, v, scale),
+        "kernel": lambda: cpu_kernel.causal_attention(lib, q, k, v, scale),
         "sdpa": lambda: TorchBackend().prefill(q, k, v, k, v, None, tokens, scale),
     }
-    if lib is not None and vision_kernel.amx_ready(lib):
-        calls["kernel-amx"] = lambda: vision_kernel.causal_attention(lib, q, k, v, scale, amx=True)
+    if lib is not None and cpu_kernel.amx_ready(lib):
+        calls["kernel-amx"] = lambda: cpu_kernel.causal_attention(lib, q, k, v, scale, amx=True)
     best = best_times(calls, rounds, timer)
     pick = min(best, key=best.get)
     log.info(

@@ -45,14 +45,6 @@ from pathlib import Path
 import torch
 
 from lm_engine import tool_prompt
-from lm_engine.config import cpu_matmul_is_fast
-from lm_engine.memory import (
-    allocator_in_use,
-    bound_native_caches,
-    peak_rss_bytes,
-    release_free_pages,
-    rss_bytes,
-)
 from lm_engine.models import demo_tasks as tasks
 from lm_engine.models import demo_tools
 from lm_engine.models.qwen2_vl_make import (
@@ -61,6 +53,14 @@ from lm_engine.models.qwen2_vl_make import (
     make_checkpoint,
     original_name,
     token_ids,
+)
+from runtime.dtypes import cpu_matmul_is_fast
+from runtime.memory import (
+    allocator_in_use,
+    bound_native_caches,
+    peak_rss_bytes,
+    release_free_pages,
+    rss_bytes,
 )
 
 PRESET = "demo"

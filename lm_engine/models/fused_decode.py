@@ -1,13 +1,13 @@
 """A decode step's decoder layers as one call each into the compiled library (``vlm_decode_layer``).
 
 A bfloat16 decode step of a few rows is memory-bound: its linear layers read every weight once, at the machine's
-read rate (``encoder/models/csrc/skinny_linear.c``). Around them, each of the decoder's layers made about 25
+read rate (``runtime/csrc/skinny_linear.c``). Around them, each of the decoder's layers made about 25
 calls from Python (module calls, two norms, the q/k rotary, the KV write, the attention kernel, views, residual
 adds), about 15 ms of a 110 ms step at the Qwen2-VL-2B shape on a 2-vCPU Zen 4 (benchmarks/README.md, "A Zen 4
 EPYC at real size"). Here a layer is one call that runs the same kernels in the same order, so the step's
 output is the same to the bit as the modules' (tests/lm_engine/test_fused_decode.py).
 
-Taken for steps of decodes only (no image rows, at most :data:`~encoder.models.linear.SKINNY_ROWS` rows), in
+Taken for steps of decodes only (no image rows, at most :data:`~runtime.linear.SKINNY_ROWS` rows), in
 bfloat16 on the CPU, where every layer's four projections run on the few-row kernel, its norms and rotary on the
 compiled library, and the attention backend is the CPU one with its paged decode kernel; anything else keeps the
 modules. ``VLMSERVE_FUSED_DECODE=0`` turns it off.
@@ -21,18 +21,17 @@ import logging
 import torch
 from torch import nn
 
-from encoder.attention import cpu_kernel
-from encoder.models.linear import SKINNY_ROWS, PackedLinear, skinny_library
-from lm_engine.attention import cpu_kernels
 from lm_engine.attention.base import AttentionMetadata
-from preprocess.native import switched_off
+from runtime import cpu_kernel, paged_decode
+from runtime.linear import SKINNY_ROWS, PackedLinear, skinny_library
+from runtime.native import switched_off
 
 log = logging.getLogger("vlmserve.engine")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Layer(ctypes.Structure):  # vlm_layer_t in encoder/attention/csrc/varlen_attention.c
+class _Layer(ctypes.Structure):  # vlm_layer_t in runtime/csrc/varlen_attention.c
     _fields_ = [
         ("linear", _P),
         ("attend", _P),
@@ -127,7 +126,7 @@ class FusedDecode:
             return None  # silu · up row by row equals the modules' one call only in whole vectors
         probe_q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=torch.bfloat16)
         probe_k = torch.empty(1, 16, cfg.num_key_value_heads, cfg.head_dim, dtype=torch.bfloat16)
-        if not cpu_kernels.supports(probe_q, probe_k):
+        if not paged_decode.supports(probe_q, probe_k):
             return None
         linear = ctypes.cast(found[0].vlm_skinny_linear, _P).value
         attend = ctypes.cast(attend_lib.vlm_paged_decode_bf16, _P).value
@@ -198,7 +197,7 @@ class FusedDecode:
         lens = meta.decode_context_lens.to(torch.int32).contiguous()
         k_cache = kv_caches[0][0]
         block_size = k_cache.shape[1]
-        # NOTE: as the attention kernel's own wrapper checks (cpu_kernels.paged_decode): every length inside its
+        # NOTE: as the attention kernel's own wrapper checks (paged_decode.paged_decode): every length inside its
         # row of the table, read from the lengths themselves, and every cache laid out as the kernel reads it
         longest = int(lens.max())
         if longest > tables.shape[1] * block_size:
@@ -210,7 +209,7 @@ class FusedDecode:
         s = self.step
         s.m, s.block_size, s.table_stride = m, block_size, tables.shape[1]
         s.linear_threads = threads
-        s.attend_threads = threads if work >= cpu_kernels._PARALLEL_MIN_WORK else 1
+        s.attend_threads = threads if work >= paged_decode._PARALLEL_MIN_WORK else 1
         s.cos, s.sin, s.slots, s.tables, s.lens = (
             cos.data_ptr(),
             sin.data_ptr(),

@@ -10,10 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encoder.attention import cpu_kernel
-from encoder.models.linear import halves_split, silu_gated_halves
-from encoder.models.weights import iter_checkpoint_tensors
+from encoder.models import checkpoint_dtype
 from lm_engine.attention import AttentionBackend, AttentionMetadata
+from runtime import cpu_kernel
+from runtime.linear import halves_split, silu_gated_halves
+from runtime.weights import iter_checkpoint_tensors
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -68,7 +69,6 @@ class Qwen2VLConfig:
         rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
         head_dim = text["hidden_size"] // text["num_attention_heads"]
         section = list(rope.get("mrope_section") or [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16])
-        dtype_name = text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or "float32"
         eos = []
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
@@ -89,7 +89,7 @@ class Qwen2VLConfig:
             mrope_section=section,
             max_position_embeddings=text.get("max_position_embeddings", 32768),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            dtype=checkpoint_dtype(raw),
             image_token_id=raw.get("image_token_id", 151655),
             video_token_id=raw.get("video_token_id", 151656),
             vision_start_token_id=raw.get("vision_start_token_id", 151652),
@@ -143,7 +143,7 @@ STEP_KERNEL_ELEMS = 1 << 16
 
 
 def use_step_kernels(module: nn.Module, lib) -> int:
-    """Hand the compiled library (``encoder.attention.cpu_kernel.load()``) to every decoder norm, MLP and attention under
+    """Hand the compiled library (``runtime.cpu_kernel.load()``) to every decoder norm, MLP and attention under
     ``module`` (CPU, bfloat16 only: elsewhere they keep torch's ops); returns how many took it."""
     taken = 0
     for child in module.modules():
@@ -281,7 +281,7 @@ class MLP(nn.Module):
             return self.down_proj(silu_gated_halves(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.lib is not None and gate.dtype == torch.bfloat16 and 2 * gate.numel() <= STEP_KERNEL_ELEMS:
-            # silu rounded, then the product, as torch computes it (tests/encoder/test_attention_kernel.py)
+            # silu rounded, then the product, as torch computes it (tests/runtime/test_cpu_kernel_attention.py)
             return self.down_proj(cpu_kernel.silu_mul(self.lib, gate, up, threads=1))
         return self.down_proj(nn.functional.silu(gate) * up)
 

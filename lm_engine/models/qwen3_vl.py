@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from encoder.models import checkpoint_dtype
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.qwen2_vl import (
-    _DTYPES,
     MRotaryEmbedding,
     Qwen2VLDecoder,
     RMSNorm,
@@ -64,7 +64,6 @@ class Qwen3VLConfig:
         raw = json.loads((path / "config.json").read_text())
         text, vision = raw.get("text_config") or {}, raw.get("vision_config") or {}
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        dtype_name = text.get("dtype") or text.get("torch_dtype") or raw.get("dtype") or "float32"
         return cls(
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
@@ -80,7 +79,7 @@ class Qwen3VLConfig:
             mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
             max_position_embeddings=text.get("max_position_embeddings", 128000),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=_DTYPES.get(str(dtype_name).replace("torch.", ""), torch.float32),
+            dtype=checkpoint_dtype(raw),
             image_token_id=raw.get("image_token_id", 151655),
             video_token_id=raw.get("video_token_id", 151656),
             vision_start_token_id=raw.get("vision_start_token_id", 151652),

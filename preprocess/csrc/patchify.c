@@ -14,7 +14,7 @@
  * parent reads the patches right after), and so were storing the t copies in the inner loop and
  * staging rows in a scratch buffer.
  *
- * Built by lm_engine/attention/cpu_kernels.py (`cc -O3 -march=native`); called through ctypes on one
+ * Built by runtime/paged_decode.py (`cc -O3 -march=native`); called through ctypes on one
  * thread (the preprocess pool's parallelism is its processes). Returns 0, or a negative code for
  * arguments it refuses.
  */

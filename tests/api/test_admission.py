@@ -307,12 +307,12 @@ def test_queue_counts_never_leak(tiny_ckpt):
 def test_serve_passes_slo_admission_to_the_engine(tiny_ckpt, monkeypatch, flags, expected):
     """`vlmserve serve --slo-admission / --no-slo-admission` reaches EngineConfig (None: the budget decides)."""
     import api.server
-    import lm_engine.memory
+    import runtime.memory
     from api.cli import main
     from tests.support import free_port
 
     started: list[ServerArgs] = []
     monkeypatch.setattr(api.server, "run_server", lambda args, startup=None: started.append(args))
-    monkeypatch.setattr(lm_engine.memory, "bound_native_caches", lambda: None)  # leave this process's env
+    monkeypatch.setattr(runtime.memory, "bound_native_caches", lambda: None)  # leave this process's env
     assert main(["serve", "--model", str(tiny_ckpt), "--port", str(free_port()), *flags]) == 0
     assert [s.engine.slo_admission for s in started] == [expected]

@@ -89,10 +89,10 @@ def serve_fails(monkeypatch, ckpt: Path, *flags: str) -> str:
     """`vlmserve serve` with ``flags``, in this process: must exit before it loads anything (reaching the
     server fails the test); returns its message."""
     import api.server
-    import lm_engine.memory
+    import runtime.memory
 
     monkeypatch.setattr(api.server, "run_server", lambda *a, **k: pytest.fail("the server started"))
-    monkeypatch.setattr(lm_engine.memory, "bound_native_caches", lambda: None)  # leave this process's env
+    monkeypatch.setattr(runtime.memory, "bound_native_caches", lambda: None)  # leave this process's env
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", str(ckpt), "--port", str(free_port()), *flags])
     return str(exc.value.code)

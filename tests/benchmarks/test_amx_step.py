@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks.amx_step import PARTS, ROOT
-from encoder.attention import cpu_kernel
+from runtime import cpu_kernel
 
 LIB = cpu_kernel.load()
 AMX = LIB is not None and cpu_kernel.amx_ready(LIB)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from encoder.attention import cpu_kernel
 from encoder.models import Qwen3VisionTower, build_vision_tower
+from runtime import cpu_kernel
 
 ATTENTIONS = [
     "torch",

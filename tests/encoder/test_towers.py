@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
 from encoder.models.base import pass_groups
+from runtime import cpu_kernel
 
 KERNEL = cpu_kernel.load() is not None
 ATTENTIONS = [

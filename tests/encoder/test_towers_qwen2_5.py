@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
 from encoder.models.qwen2_5_vl import window_order
+from runtime import cpu_kernel
 from tests.encoder.test_towers import pixels_for, randomize
 
 KERNEL = cpu_kernel.load() is not None
@@ -114,8 +114,8 @@ def test_packed_batch_equals_each_image_alone(hf_and_ckpt, attention):
 def test_tower_on_the_float32_kernel_equals_transformers(hf_and_ckpt, monkeypatch):
     """The AVX2 build's float32 linear layers, forced (whatever this CPU's timing says), with the gated MLP's gate,
     up and silu · up in one pass of the kernel: still transformers' tower within float32 tolerance."""
-    from encoder.models import linear as packing
-    from tests.encoder.test_packed_linear import V3
+    from runtime import linear as packing
+    from tests.runtime.test_packed_linear import V3
 
     if not cpu_kernel.has_linear(V3):
         pytest.skip("not an x86-64 CPU with AVX2 and FMA (the float32 linear's build)")

@@ -96,8 +96,8 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
     """The first-token test above checks the numbers; this checks which code made them: where the vision
     attention library has bf16 dot products, every prefill chunk (whole prompts and chunks after a cached
     prefix) goes through its causal kernel, elsewhere through torch's attention."""
-    from encoder.attention import cpu_kernel
     from lm_engine.attention import torch_backend
+    from runtime import cpu_kernel
 
     backend = bf16_engine.engine.runner.backend
     calls: list[tuple[int, int]] = []
@@ -123,8 +123,8 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
 def test_prefill_kernel_choice_follows_the_timing(monkeypatch):
     """The causal kernel is kept only where it timed faster than SDPA: fake clocks make either side slower.
     (No library: no AMX variant to time.)"""
-    from encoder.attention import cpu_kernel
     from lm_engine.attention import torch_backend
+    from runtime import cpu_kernel
 
     monkeypatch.setattr(cpu_kernel, "causal_attention", lambda lib, q, k, v, scale, amx=False: None)
 

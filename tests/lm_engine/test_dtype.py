@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import lm_engine.config as config_mod
+import runtime.dtypes as config_mod
 from lm_engine import LLM, SamplingParams
-from lm_engine.config import EngineConfig, matmul_ratio, probe_matmul
+from lm_engine.config import EngineConfig
+from runtime.dtypes import matmul_ratio, probe_matmul
 from tests.support import HFOracle, image_part, make_image, user
 
 

@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from encoder.models import linear as packing
 from lm_engine import LLM, SamplingParams
 from lm_engine.models import demo, qwen3_vl_make
 from lm_engine.models import qwen2_vl_make as base
+from runtime import linear as packing
 from tests.support import image_part, make_image, user
 
 FOUND = packing.skinny_library()

@@ -62,7 +62,7 @@ def test_modules_built_uninitialized_take_the_dtype_and_draw_nothing(monkeypatch
     import torch
     from torch import nn
 
-    from encoder.models.weights import uninitialized
+    from runtime.weights import uninitialized
 
     real_uniform = nn.init.kaiming_uniform_
     drawn = []
@@ -185,7 +185,7 @@ def test_a_fixed_pool_too_large_for_the_machine_is_refused():
 
 
 def test_sizes_read_as_flags_give_them():
-    from lm_engine.memory import parse_bytes
+    from runtime.memory import parse_bytes
 
     assert (
         parse_bytes("4GiB") == 4 << 30
@@ -200,8 +200,8 @@ def test_sizes_read_as_flags_give_them():
 
 def test_weight_bytes_come_from_the_headers(tiny_ckpt):
     """Every tensor counted once, at the compute dtype's width, the tower's apart; against the tensors themselves."""
-    from encoder.models.weights import iter_checkpoint_tensors
     from lm_engine.memory import WeightBytes, checkpoint_weight_bytes
+    from runtime.weights import iter_checkpoint_tensors
 
     tensors = dict(iter_checkpoint_tensors(tiny_ckpt))
     numel = sum(t.numel() for t in tensors.values())

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from encoder.attention import cpu_kernel
 from lm_engine import LLM, SamplingParams
 from lm_engine.models import qwen2_vl
 from lm_engine.models.qwen2_vl import MLP, STEP_KERNEL_ELEMS, RMSNorm
+from runtime import cpu_kernel
 from tests.support import user
 
 LIB = cpu_kernel.load()

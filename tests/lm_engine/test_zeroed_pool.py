@@ -7,7 +7,8 @@ import gc
 
 import torch
 
-from lm_engine.memory import rss_bytes, zeroed_pool
+from lm_engine.memory import zeroed_pool
+from runtime.memory import rss_bytes
 
 
 def test_the_pool_reads_as_zeros_and_takes_writes():

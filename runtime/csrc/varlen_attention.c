@@ -22,7 +22,7 @@
  * The same library holds the MLP's bias + quick-GELU as one in-place pass (vlm_bias_quick_gelu), so the tower's
  * compiled path shares one thread pool.
  *
- * Built by encoder/attention/cpu_kernel.py with `cc -O3 -march=native -ffp-contract=fast`; called through
+ * Built by runtime/cpu_kernel.py with `cc -O3 -march=native -ffp-contract=fast`; called through
  * ctypes, which releases the GIL. Returns 0, or a negative code for arguments it refuses.
  */
 #include <math.h>
@@ -1820,8 +1820,8 @@ int vlm_rope_heads(void *x, const void *cos, const void *sin, const void *wq, co
 
 /* ---------------------------------------------------------------- a decode step's decoder layer in one call */
 
-/* The few-row linear (encoder/models/csrc/skinny_linear.c's vlm_skinny_linear) and the paged decode attention
- * (lm_engine/attention/csrc/paged_decode.c's vlm_paged_decode_bf16): other libraries, handed in as pointers. */
+/* The few-row linear (runtime/csrc/skinny_linear.c's vlm_skinny_linear) and the paged decode attention
+ * (runtime/csrc/paged_decode.c's vlm_paged_decode_bf16): other libraries, handed in as pointers. */
 typedef int (*linear_fn)(const uint16_t *x, int64_t m, int64_t k, int64_t ldx, const uint16_t *w, int64_t n,
                          const uint16_t *bias, uint16_t *y, int64_t ldy, int64_t threads, int64_t path);
 typedef int (*attend_fn)(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,

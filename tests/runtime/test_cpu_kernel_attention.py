@@ -37,7 +37,7 @@ def build(request):
         return LIB
     import platform
 
-    from preprocess.native import _cpu_flags
+    from runtime.native import _cpu_flags
 
     if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
         pytest.skip("not an x86-64 CPU with AVX2 and FMA")
@@ -371,7 +371,7 @@ def test_vlmserve_march_builds_the_default_library_for_another_cpu(monkeypatch):
     import platform
     import shutil
 
-    from preprocess.native import _build
+    from runtime.native import _build
 
     if platform.machine() != "x86_64":
         pytest.skip("x86-64 targets")

@@ -8,11 +8,12 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from lm_engine.attention import CpuBackend, TorchBackend, cpu_kernels, get_backend
+from lm_engine.attention import CpuBackend, TorchBackend, get_backend
 from lm_engine.attention.torch_backend import paged_decode
+from runtime import paged_decode as decode_kernel
 from tests.support import prerequisite
 
-LIB = cpu_kernels.load()
+LIB = decode_kernel.load()
 _kernel_built = prerequisite(
     None if LIB else "the paged decode kernel did not build (no C compiler, or VLMSERVE_CPU_KERNELS=0)"
 )
@@ -51,14 +52,14 @@ def test_kernel_matches_torch_decode(lens, h, kvh, d, bs):
     q, k, v, tables, ctx = _case(len(lens) * 31 + d, lens, h, kvh, d, bs)
     scale = d**-0.5
     ref = paged_decode(q, k, v, tables, ctx, scale)
-    got = cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
+    got = decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
     torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5)
 
 
 def test_threads_do_not_change_the_result():
     q, k, v, tables, ctx = _case(3, [900, 5, 1200, 77, 640, 33], 12, 2, 64, 16)
     outs = [
-        cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1200, num_threads=n) for n in (1, 2, 3)
+        decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1200, num_threads=n) for n in (1, 2, 3)
     ]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
@@ -67,7 +68,7 @@ def test_large_scores_do_not_overflow():
     """Scores in the hundreds: the running max keeps every exponent <= 0."""
     q, k, v, tables, ctx = _case(5, [50, 400], 4, 2, 16, 16)
     ref = paged_decode(q * 40, k, v, tables, ctx, 1.0)
-    got = cpu_kernels.paged_decode(LIB, q * 40, k, v, tables, ctx, 1.0, 400)
+    got = decode_kernel.paged_decode(LIB, q * 40, k, v, tables, ctx, 1.0, 400)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
@@ -80,7 +81,7 @@ def test_bfloat16_is_as_close_to_float32_as_torch_bf16(lens, h, kvh, d, bs):
     scale = d**-0.5
     exact = paged_decode(q.float(), k.float(), v.float(), tables, ctx, scale)
     theirs = (paged_decode(q, k, v, tables, ctx, scale).float() - exact).abs()
-    got = cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
+    got = decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, scale, max(lens))
     assert got.dtype == torch.bfloat16
     ours = (got.float() - exact).abs()
     assert ours.max() <= theirs.max() + 1e-3 and ours.mean() <= 1.1 * theirs.mean(), (
@@ -102,14 +103,14 @@ def test_backend_decodes_in_the_kernel(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, tables, ctx = _case(7, [20, 70], 4, 2, 64, 16, dtype=dtype)
         got = backend.decode(q, k, v, tables, ctx, 0.3, 70)
-        assert torch.equal(got, cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.3, 70))
+        assert torch.equal(got, decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, 0.3, 70))
 
 
 def test_backend_falls_back_outside_the_kernel():
     backend = CpuBackend(LIB)
     for dtype, d in ((torch.float16, 64), (torch.float32, 12)):  # not float32/bf16; head_dim % 8 != 0
         q, k, v, tables, ctx = _case(7, [20, 70], 4, 2, d, 16, dtype=dtype)
-        assert not cpu_kernels.supports(q, k)
+        assert not decode_kernel.supports(q, k)
         got = backend.decode(q, k, v, tables, ctx, 0.3, 70)
         assert torch.equal(got, paged_decode(q, k, v, tables, ctx, 0.3, 70))
 
@@ -118,9 +119,9 @@ def test_context_beyond_the_block_table_is_refused():
     q, k, v, tables, ctx = _case(9, [20, 40], 4, 2, 16, 16)
     narrow = tables[:, :1]  # one block per sequence, but contexts of 20 and 40 tokens
     with pytest.raises(ValueError, match="exceeds the block table"):
-        cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 40)
+        decode_kernel.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 40)
     with pytest.raises(ValueError, match="exceeds the block table"):  # an understated max_context too
-        cpu_kernels.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 16)
+        decode_kernel.paged_decode(LIB, q, k, v, narrow, ctx, 0.25, 16)
 
 
 def test_backend_reads_each_steps_lengths_once_and_still_checks_them():
@@ -130,7 +131,7 @@ def test_backend_reads_each_steps_lengths_once_and_still_checks_them():
     q, k, v, tables, ctx = _case(13, [20, 40], 4, 2, 16, 16)
     for _ in range(2):  # two layers of one step
         got = backend.decode(q, k, v, tables, ctx, 0.25, 40)
-        assert torch.equal(got, cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.25, 40))
+        assert torch.equal(got, decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, 0.25, 40))
     longer = torch.tensor([21, 47], dtype=torch.int32)  # the next step
     got = backend.decode(q, k, v, tables, longer, 0.25, 47)
     torch.testing.assert_close(got, paged_decode(q, k, v, tables, longer, 0.25), atol=2e-6, rtol=1e-5)
@@ -181,7 +182,9 @@ def _decode_in_child(conn):
         # NOTE: torch's own OpenMP threads do not survive fork either; the reference runs on one thread.
         torch.set_num_threads(1)
         q, k, v, tables, ctx = _case(11, [800, 900, 700, 1000], 12, 2, 64, 16)
-        got = cpu_kernels.paged_decode(cpu_kernels.load(), q, k, v, tables, ctx, 0.125, 1000, num_threads=2)
+        got = decode_kernel.paged_decode(
+            decode_kernel.load(), q, k, v, tables, ctx, 0.125, 1000, num_threads=2
+        )
         conn.send(bool(torch.allclose(got, paged_decode(q, k, v, tables, ctx, 0.125), atol=2e-6)))
     except Exception as exc:  # report, do not hang the parent
         conn.send(repr(exc))
@@ -191,7 +194,7 @@ def test_pool_works_after_fork():
     """The kernel's thread pool exists in the parent; a forked child (no threads but its own) must
     start a fresh pool instead of waiting on threads it does not have."""
     q, k, v, tables, ctx = _case(13, [800, 900, 700, 1000], 12, 2, 64, 16)
-    cpu_kernels.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1000, num_threads=2)  # the parent's pool
+    decode_kernel.paged_decode(LIB, q, k, v, tables, ctx, 0.125, 1000, num_threads=2)  # the parent's pool
     parent, child = mp.get_context("fork").Pipe()
     proc = mp.get_context("fork").Process(target=_decode_in_child, args=(child,))
     proc.start()
@@ -212,7 +215,7 @@ def test_get_backend_choices(monkeypatch, tmp_path, caplog):
     try:
         # A compiler that fails: auto falls back to torch with a warning, "cpu" refuses to start.
         monkeypatch.setenv("CC", "false")
-        cpu_kernels.load.cache_clear()
+        decode_kernel.load.cache_clear()
         with caplog.at_level(logging.WARNING, logger="vlmserve.engine"):
             backend = get_backend("cpu", "auto")
         assert type(backend) is TorchBackend
@@ -223,12 +226,12 @@ def test_get_backend_choices(monkeypatch, tmp_path, caplog):
         # Switched off.
         monkeypatch.setenv("CC", "cc")
         monkeypatch.setenv("VLMSERVE_CPU_KERNELS", "0")
-        cpu_kernels.load.cache_clear()
+        decode_kernel.load.cache_clear()
         assert type(get_backend("cpu", "auto")) is TorchBackend
         # A fresh build into an empty cache works and lands there.
         monkeypatch.delenv("VLMSERVE_CPU_KERNELS")
-        cpu_kernels.load.cache_clear()
+        decode_kernel.load.cache_clear()
         assert isinstance(get_backend("cpu", "auto"), CpuBackend)
         assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
     finally:
-        cpu_kernels.load.cache_clear()
+        decode_kernel.load.cache_clear()

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from preprocess import timing_cache
-from preprocess.timing_cache import cache_path, cached_probe
+from runtime import timing_cache
+from runtime.timing_cache import cache_path, cached_probe
 
 ZEN4 = {
     "cpu_model": "AMD EPYC 9R14",
@@ -119,11 +119,11 @@ def test_the_identity_names_this_cpu_and_torch():
 
 
 def test_the_start_up_probes_go_through_the_cache(monkeypatch):
-    """The matmul dtype probe (lm_engine/config.py) is read back in a new process: here, with the per-process
+    """The matmul dtype probe (runtime/dtypes.py) is read back in a new process: here, with the per-process
     verdicts forgotten."""
     import torch
 
-    from lm_engine import config
+    from runtime import dtypes as config
 
     monkeypatch.setattr(config, "_FAST", {})
     monkeypatch.setattr(config, "probe_matmul", lambda dtype: True)

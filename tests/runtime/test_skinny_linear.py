@@ -1,4 +1,4 @@
-"""The few-row bfloat16 kernel (encoder/models/csrc/skinny_linear.c) on oneDNN's packed buffer: its layout, its
+"""The few-row bfloat16 kernel (runtime/csrc/skinny_linear.c) on oneDNN's packed buffer: its layout, its
 products against float64 and against oneDNN's own call on the same buffer, and when PackedLinear takes it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from encoder.models import linear as packing
-from encoder.models.linear import SKINNY_ROWS, PackedLinear
 from lm_engine import LLM, SamplingParams
+from runtime import linear as packing
+from runtime.linear import SKINNY_ROWS, PackedLinear
 from tests.support import image_part, make_image, user
 
 FOUND = packing.skinny_library()

@@ -1,7 +1,7 @@
 """The compiled CPU paged decode attention kernel (``csrc/paged_decode.c``: float32 and bfloat16), loaded with
 ctypes.
 
-Built on first use by :mod:`preprocess.native` (the system C compiler, cached on disk); without a
+Built on first use by :mod:`runtime.native` (the system C compiler, cached on disk); without a
 compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the engine keeps the
 torch path.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from preprocess.native import load_library
+from runtime.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 _I64 = ctypes.c_int64

@@ -5,7 +5,7 @@
  * y [m, n] = x [m, k] · wᵀ (+ bias), bfloat16 in and out, float32 accumulation, m <= 16. w is the buffer that
  * torch.ops.mkldnn._reorder_linear_weight produced for a bfloat16 [n, k] weight: pairs of k interleaved, B
  * outputs a block, [n/B][k/2][B][2], B = 32 on a CPU with AMX and 64 on AVX512-BF16 CPUs without it (the Python
- * side checks the layout on every weight it hands here, encoder/models/linear.py). Each block is one contiguous
+ * side checks the layout on every weight it hands here, runtime/linear.py). Each block is one contiguous
  * run of k · 2B bytes, read once.
  *
  * Two paths over the same layout. AMX (`path` 1): per 32 · k block, tiles C [m][16 outputs] += x [m][32 k] (A,
@@ -17,7 +17,7 @@
  * Qwen2-VL-2B decoder's shapes, and its 8,960 → 1,536 projection at one row 5x slower (it splits k): 2-vCPU Xeon
  * with AMX, 2026-12-06, benchmarks/real_size.py and the step of linears in the commit that added this file.
  *
- * Built by encoder/models/linear.py with -fopenmp where the compiler can (the calls then run on torch's own
+ * Built by runtime/linear.py with -fopenmp where the compiler can (the calls then run on torch's own
  * OpenMP threads); called through ctypes, which releases the GIL. Returns 0, or a negative code for arguments or
  * a path it refuses.
  */
@@ -66,7 +66,7 @@ static void amx_config(int64_t m) {
     for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)m;
     for (int i = 5; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
     /* NOTE: an asm operand of all 64 bytes, not _tile_loadconfig (GCC 12 declares 8, and the stores to the rest
-     * can go as dead where it is inlined), as in encoder/attention/csrc/varlen_attention.c */
+     * can go as dead where it is inlined), as in runtime/csrc/varlen_attention.c */
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 #endif

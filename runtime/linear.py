@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from encoder.attention import cpu_kernel
-from preprocess.native import best_times, load_library, switched_off
-from preprocess.timing_cache import cached_probe, library_tag
+from runtime import cpu_kernel
+from runtime.native import best_times, load_library, switched_off
+from runtime.timing_cache import cached_probe, library_tag
 
 log = logging.getLogger("vlmserve.linear")
 
@@ -69,7 +69,7 @@ class PackedLinear(nn.Module):
 
 class KernelLinear(nn.Module):
     """``nn.Linear``'s forward (float32, CPU) on the compiled library's own matrix kernel, the weight packed once
-    into its panels (:func:`encoder.attention.cpu_kernel.linear`): on an AVX2 machine, where torch's float32
+    into its panels (:func:`runtime.cpu_kernel.linear`): on an AVX2 machine, where torch's float32
     matmul is MKL's sgemm, measured 1.2-2.4x faster at 8-64 rows (decode steps) and 0.98-1.2x at 512-4,096 rows
     (2-vCPU Zen 3, 2 threads; benchmarks/README.md). Runs on the library's ``pool`` ("vision" or "prefill")
     so that the tower and the decoder, each on its own thread, never queue behind each other."""
@@ -99,7 +99,7 @@ class KernelLinear(nn.Module):
 
 
 def silu_gated(gate: KernelLinear, up: KernelLinear, x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate(x)) · up(x)`` in one pass of the library (:func:`encoder.attention.cpu_kernel.linear_glu`):
+    """``silu(gate(x)) · up(x)`` in one pass of the library (:func:`runtime.cpu_kernel.linear_glu`):
     the two projections are never written out, and the product needs no pass of its own."""
     if (gate.lib, gate.pool, gate.out_features, gate.in_features) != (
         up.lib,

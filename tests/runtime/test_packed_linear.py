@@ -1,4 +1,4 @@
-"""Packed linear layers (encoder.models.linear: oneDNN's bfloat16, our float32 kernel) against F.linear, and
+"""Packed linear layers (runtime.linear: oneDNN's bfloat16, our float32 kernel) against F.linear, and
 what packing leaves unchanged."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from encoder.attention import cpu_kernel
 from encoder.models import build_vision_tower
-from encoder.models import linear as packing
-from encoder.models.linear import KernelLinear, PackedLinear, pack_linears
 from encoder.pipeline import vision_fingerprint
 from lm_engine import LLM, SamplingParams
+from runtime import cpu_kernel
+from runtime import linear as packing
+from runtime.linear import KernelLinear, PackedLinear, pack_linears
 from tests.support import image_part, make_image, user
 
 NATIVE = packing.native_bf16()
@@ -123,7 +123,7 @@ def _v3_library():
     """The library's AVX2 + FMA build (the one with the float32 linear) wherever this CPU runs it."""
     import platform
 
-    from preprocess.native import _cpu_flags
+    from runtime.native import _cpu_flags
 
     if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= set(_cpu_flags().split()):
         return None

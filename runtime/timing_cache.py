@@ -74,7 +74,7 @@ def machine_identity() -> dict[str, str]:
 
 
 def library_tag(lib) -> str:
-    """A compiled library's file name, which names its build (source, flags, compiler, CPU: preprocess/native.py),
+    """A compiled library's file name, which names its build (source, flags, compiler, CPU: runtime/native.py),
     so a rebuilt kernel is timed again; "" for none."""
     return os.path.basename(getattr(lib, "_name", "") or "") if lib is not None else ""
 

@@ -1,4 +1,4 @@
-"""``vlmserve train-demo`` runs under jemalloc where the system has it (``lm_engine.memory.jemalloc_relaunch``):
+"""``vlmserve train-demo`` runs under jemalloc where the system has it (``runtime.memory.jemalloc_relaunch``):
 glibc's malloc took 10-14 % of a training step's CPU time. The relaunch happens once, keeps the user's own
 ``LD_PRELOAD`` and ``MALLOC_CONF``, and ``VLMSERVE_ALLOCATOR=system`` turns it off."""
 
@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from lm_engine import memory
+from runtime import memory
 from tests.support import REPO
 
 
@@ -64,7 +64,7 @@ def test_release_free_pages_hands_jemallocs_kept_pages_back():
     assert lib is not None, "jemalloc is missing: bin/setup installs Debian's libjemalloc2"
     script = (
         "import torch\n"
-        "from lm_engine import memory\n"
+        "from runtime import memory\n"
         "x = [torch.ones(1 << 20) for _ in range(100)]\n"  # 100 × 4 MB, touched
         "del x\n"
         "kept = memory.rss_bytes()\n"

@@ -21,7 +21,7 @@ from tests.support import REPO
 CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 SCRIPT = """
 import torch
-from lm_engine.memory import bound_native_caches
+from runtime.memory import bound_native_caches
 bound_native_caches()
 
 def rss_mb():

@@ -1,6 +1,6 @@
 """The compiled CPU varlen attention kernel (``csrc/varlen_attention.c``), loaded with ctypes.
 
-Built on first use by :mod:`preprocess.native` (the system C compiler, ``-march=native``, cached on disk);
+Built on first use by :mod:`runtime.native` (the system C compiler, ``-march=native``, cached on disk);
 without a compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the tower keeps
 the torch path. Built where the compiler targets AVX512-BF16, bfloat16 inputs run their two products as
 bf16 dot products (``vdpbf16ps``), or as AMX tile products when the caller asks (``amx=True``, where
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from preprocess.native import load_library
+from runtime.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
 _I64 = ctypes.c_int64
@@ -26,7 +26,7 @@ MAX_HEAD_DIM = 256
 
 @functools.cache
 def load(march: str = "native") -> ctypes.CDLL | None:
-    """The compiled library, or ``None`` (see :func:`preprocess.native.load_library`)."""
+    """The compiled library, or ``None`` (see :func:`runtime.native.load_library`)."""
     lib = load_library(_SOURCE, march, openmp=True)  # torch's OpenMP threads run it (see dispatch())
     if lib is None:
         return None

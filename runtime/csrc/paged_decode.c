@@ -8,7 +8,7 @@
  * place, with an online softmax, so nothing is gathered or padded to the longest sequence. Units are
  * handed out through an atomic counter to the caller and up to `num_threads - 1` pool threads.
  *
- * Built by lm_engine/attention/cpu_kernels.py with `cc -O3 -march=native -ffp-contract=fast` (no
+ * Built by runtime/paged_decode.py with `cc -O3 -march=native -ffp-contract=fast` (no
  * -ffast-math: IEEE semantics everywhere but FMA contraction); called through ctypes, which releases
  * the GIL. Returns 0, or a negative code for arguments it refuses.
  */
@@ -324,7 +324,7 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
         return 0;
     }
 #ifdef _OPENMP
-    /* On torch's own OpenMP threads, as encoder/attention/csrc/varlen_attention.c's dispatch(): a pool of our
+    /* On torch's own OpenMP threads, as runtime/csrc/varlen_attention.c's dispatch(): a pool of our
      * own shared the cores with the OpenMP workers torch's last op left spinning. */
     if (use_omp()) {
 #pragma omp parallel num_threads((int)num_threads)

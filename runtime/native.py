@@ -1,7 +1,7 @@
 """C sources compiled with the system compiler on first use and loaded with ctypes.
 
 Shared by preprocess (csrc/patchify.c) and the engine's CPU attention kernel
-(lm_engine/attention/csrc/paged_decode.c). It lives here, not in lm_engine, so a preprocess worker
+(runtime/csrc/paged_decode.c). It lives here, not in lm_engine, so a preprocess worker
 loads its kernel without importing the engine. A build is cached under ``$VLMSERVE_KERNEL_CACHE``
 (default ``~/.cache/vlmserve/kernels``), keyed by the source, the flags, the compiler and this CPU's
 feature flags (the code is built for ``-march=native``), so a cache shared between machines never
