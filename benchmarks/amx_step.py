@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from runtime.native import load_library  # noqa: E402
 
-KERNEL = ROOT / "encoder" / "attention" / "csrc" / "varlen_attention.c"
+KERNEL = ROOT / "runtime" / "csrc" / "cpu_kernel.c"
 BENCH = Path(__file__).parent / "csrc" / "amx_step.c"
 PARTS = {
     0: "whole step (amx_step)",
@@ -45,7 +45,7 @@ def build() -> ctypes.CDLL | None:
     out = ROOT / "benchmarks" / "out" / "amx_step"
     out.mkdir(parents=True, exist_ok=True)
     source = out / "amx_step_bench.c"
-    source.write_text(KERNEL.read_text() + "\n" + BENCH.read_text())
+    source.write_text(f'#include "{KERNEL}"\n' + BENCH.read_text())  # its sections from beside it
     lib = load_library(source, openmp=True)
     if lib is not None:
         lib.vlm_amx_step_ns.restype = ctypes.c_double

@@ -1,4 +1,4 @@
-"""The compiled CPU varlen attention kernel (``csrc/varlen_attention.c``), loaded with ctypes.
+"""The compiled CPU varlen attention kernel (``csrc/cpu_kernel.c``, its sections in ``csrc/cpu_kernel/``), loaded with ctypes.
 
 Built on first use by :mod:`runtime.native` (the system C compiler, ``-march=native``, cached on disk);
 without a compiler, or with ``VLMSERVE_CPU_KERNELS=0``, :func:`load` returns ``None`` and the tower keeps
@@ -17,7 +17,7 @@ import torch
 
 from runtime.native import load_library
 
-_SOURCE = Path(__file__).parent / "csrc" / "varlen_attention.c"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernel.c"
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

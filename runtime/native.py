@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -66,6 +67,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VLMSERVE_KERNEL_CACHE") or "~/.cache/vlmserve/kernels").expanduser()
 
 
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"', re.M)
+
+
+def source_bytes(source: Path) -> bytes:
+    """The bytes a build of ``source`` depends on: the source and every local header it includes (``#include
+    "..."``, searched as the compiler does, beside the including file), each once, in the order met."""
+    seen: set[Path] = set()
+    parts, todo = [], [source.resolve()]
+    while todo:
+        path = todo.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        parts.append(text)
+        todo.extend((path.parent / name.decode()).resolve() for name in _LOCAL_INCLUDE.findall(text))
+    return b"\0".join(parts)
+
+
 def _build(cc: str, source: Path, march: str = "native", extra: tuple[str, ...] = ()) -> Path:
     if march == "native":
         # VLMSERVE_MARCH builds for another CPU than this one: benchmarks/as_avx2.sh measures an AVX2-only
@@ -75,7 +95,7 @@ def _build(cc: str, source: Path, march: str = "native", extra: tuple[str, ...] 
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()]
+            [source_bytes(source), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()]
             + [platform.machine().encode()]
         )
     ).hexdigest()[:20]

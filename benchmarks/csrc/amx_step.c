@@ -1,4 +1,4 @@
-/* The AMX attention step of runtime/csrc/varlen_attention.c taken apart: how long a 16-row × 64-key
+/* The AMX attention step of runtime/csrc/cpu_kernel/ taken apart: how long a 16-row × 64-key
  * step takes whole, and each of its parts alone, on data that stays in L1/L2 (one 16-row q tile against 1,024
  * keys of head dim 64, four row tiles per key block as attend_unit_amx runs them). benchmarks/amx_step.py
  * appends this file to the kernel's source (its static functions are then in scope) and builds the two as one.

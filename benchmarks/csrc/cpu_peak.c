@@ -98,7 +98,7 @@ static void *run(void *arg) {
         memset(&cfg, 0, sizeof cfg);
         cfg.palette = 1;
         for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-        __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); /* not _tile_loadconfig: see amx_config in varlen_attention.c */
+        __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); /* not _tile_loadconfig: see amx_config in runtime/csrc/cpu_kernel/ */
         /* zeros: the products stay finite (tile numbers are immediates: no loop) */
         _tile_zero(0);
         _tile_zero(1);

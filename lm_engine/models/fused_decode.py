@@ -31,7 +31,7 @@ log = logging.getLogger("vlmserve.engine")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Layer(ctypes.Structure):  # vlm_layer_t in runtime/csrc/varlen_attention.c
+class _Layer(ctypes.Structure):  # vlm_layer_t in runtime/csrc/cpu_kernel/decode_layer.h
     _fields_ = [
         ("linear", _P),
         ("attend", _P),

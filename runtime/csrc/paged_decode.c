@@ -6,7 +6,7 @@
  * block_tables [S, table_stride] int32; context_lens [S] int32. KV head j serves query heads
  * j*G .. j*G+G-1 (G = H / KVH). Each (sequence, KV head) is one unit of work: it reads its blocks once, in
  * place, with an online softmax, so nothing is gathered or padded to the longest sequence. Units are
- * handed out through an atomic counter to the caller and up to `num_threads - 1` pool threads.
+ * handed out through an atomic counter to the caller and up to `num_threads - 1` others (pool.h).
  *
  * Built by runtime/paged_decode.py with `cc -O3 -march=native -ffp-contract=fast` (no
  * -ffast-math: IEEE semantics everywhere but FMA contraction); called through ctypes, which releases
@@ -24,15 +24,18 @@
 #define MAX_BLOCK 256
 #define MAX_THREADS 64
 
-typedef struct {
+typedef struct job job_t;
+struct job {
     const void *q, *k, *v;
     const int32_t *tables, *lens;
     void *out;
     int64_t table_stride, num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
     int64_t bf16;
+    void (*unit)(job_t *, int64_t); /* pool.h's interface: unit u of `units`, handed out through `next` */
+    int64_t units;
     atomic_long next;
-} job_t;
+};
 
 /* 8 floats; aligned(4) lets it load from any float address. GCC/Clang lower it to AVX (or SSE pairs). */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
@@ -219,92 +222,15 @@ static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc, fl
     }
 }
 
-static void work(job_t *j) {
-    float scores[MAX_GROUP * MAX_BLOCK];
-    float acc[MAX_GROUP * MAX_HEAD_DIM];
+/* One (sequence, KV head) unit, on the pool's or torch's OpenMP threads. */
+static void decode_unit(job_t *j, int64_t u) {
+    static _Thread_local float scores[MAX_GROUP * MAX_BLOCK], acc[MAX_GROUP * MAX_HEAD_DIM];
     static _Thread_local float scratch[2 * MAX_BLOCK * MAX_HEAD_DIM + MAX_GROUP * MAX_HEAD_DIM]
         __attribute__((aligned(32))); /* 576 KB: per thread, not on the stack */
-    const int64_t units = j->num_seqs * j->num_kv_heads;
-    for (;;) {
-        const int64_t u = atomic_fetch_add(&j->next, 1);
-        if (u >= units) break;
-        run_unit(j, u, scores, acc, scratch);
-    }
+    run_unit(j, u, scores, acc, scratch);
 }
 
-/* A persistent pool: threads are created once and sleep on a condition variable between calls (no
- * spinning, so they take nothing from torch's own threads in between). One call at a time uses it. */
-static struct {
-    pthread_mutex_t call, lock;
-    pthread_cond_t start, done;
-    int64_t threads, active;
-    uint64_t generation;
-    job_t *job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL};
-
-static void *pool_thread(void *arg) {
-    uint64_t seen = (uint64_t)(uintptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
-        seen = pool.generation;
-        job_t *j = pool.job;
-        pthread_mutex_unlock(&pool.lock);
-        if (j) work(j);
-        pthread_mutex_lock(&pool.lock);
-        if (--pool.active == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-/* After fork() only the calling thread exists: the child starts with an empty pool. */
-static void pool_after_fork(void) {
-    pthread_mutex_init(&pool.call, NULL);
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.start, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.threads = pool.active = 0;
-    pool.job = NULL;
-}
-
-static void pool_grow(int64_t want) {
-    static int registered = 0;
-    if (!registered) {
-        pthread_atfork(NULL, NULL, pool_after_fork);
-        registered = 1;
-    }
-    while (pool.threads < want) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pthread_mutex_lock(&pool.lock);
-        const uint64_t gen = pool.generation;
-        pthread_mutex_unlock(&pool.lock);
-        const int rc = pthread_create(&t, &attr, pool_thread, (void *)(uintptr_t)gen);
-        pthread_attr_destroy(&attr);
-        if (rc != 0) break;
-        pool.threads++;
-    }
-}
-
-#ifdef _OPENMP
-/* libgomp's team does not survive fork (a child waits on threads it does not have): in a child of a process
- * that ran this library's OpenMP regions, the calls go to the library's own pool instead. */
-static atomic_int omp_ran, omp_unusable;
-static void omp_after_fork(void) {
-    if (atomic_load(&omp_ran)) atomic_store(&omp_unusable, 1);
-}
-static void register_omp_fork(void) { pthread_atfork(NULL, NULL, omp_after_fork); }
-static int use_omp(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, register_omp_fork);
-    if (atomic_load(&omp_unusable)) return 0;
-    atomic_store(&omp_ran, 1);
-    return 1;
-}
-#endif
+#include "pool.h"
 
 static int paged_decode(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                         int64_t table_stride, const int32_t *context_lens, void *out, int64_t num_seqs,
@@ -316,36 +242,13 @@ static int paged_decode(const void *q, const void *k_cache, const void *v_cache,
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     const int64_t units = num_seqs * num_kv_heads;
     if (num_threads > units) num_threads = units;
-    job_t j = {q, k_cache, v_cache, block_tables, context_lens, out, table_stride, num_seqs,
-               num_heads, num_kv_heads, head_dim, block_size, scale, bf16, 0};
+    job_t j = {q, k_cache, v_cache, block_tables, context_lens, out, table_stride, num_seqs, num_heads,
+               num_kv_heads, head_dim, block_size, scale, bf16, decode_unit, units, 0};
     atomic_init(&j.next, 0);
-    if (num_threads <= 1) {
-        work(&j);
-        return 0;
-    }
-#ifdef _OPENMP
-    /* On torch's own OpenMP threads, as runtime/csrc/varlen_attention.c's dispatch(): a pool of our
-     * own shared the cores with the OpenMP workers torch's last op left spinning. */
-    if (use_omp()) {
-#pragma omp parallel num_threads((int)num_threads)
-        work(&j);
-        return 0;
-    }
-#endif
-    pthread_mutex_lock(&pool.call);
-    pool_grow(num_threads - 1);
-    pthread_mutex_lock(&pool.lock);
-    pool.job = &j;
-    pool.active = pool.threads;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.start);
-    pthread_mutex_unlock(&pool.lock);
-    work(&j); /* the caller works too; pool threads beyond num_threads - 1 find no units left */
-    pthread_mutex_lock(&pool.lock);
-    while (pool.active > 0) pthread_cond_wait(&pool.done, &pool.lock);
-    pool.job = NULL;
-    pthread_mutex_unlock(&pool.lock);
-    pthread_mutex_unlock(&pool.call);
+    pool_t *pool = &pools[0];
+    pthread_mutex_lock(&pool->call);
+    dispatch(pool, &j, num_threads);
+    pthread_mutex_unlock(&pool->call);
     return 0;
 }
 

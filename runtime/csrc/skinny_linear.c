@@ -66,7 +66,7 @@ static void amx_config(int64_t m) {
     for (int i = 0; i < 5; i++) c.colsb[i] = 64, c.rows[i] = (uint8_t)m;
     for (int i = 5; i < 8; i++) c.colsb[i] = 64, c.rows[i] = 16;
     /* NOTE: an asm operand of all 64 bytes, not _tile_loadconfig (GCC 12 declares 8, and the stores to the rest
-     * can go as dead where it is inlined), as in runtime/csrc/varlen_attention.c */
+     * can go as dead where it is inlined), as in runtime/csrc/cpu_kernel/attention_products.h */
     __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
 #endif

@@ -107,7 +107,7 @@ def test_prefill_runs_the_causal_kernel_where_it_applies(bf16_engine, monkeypatc
         calls.append((q.shape[0], k.shape[0]))
         return real(lib, q, k, v, scale, num_threads, amx)
 
-    monkeypatch.setattr(torch_backend.vision_kernel, "causal_attention", spy)
+    monkeypatch.setattr(torch_backend.cpu_kernel, "causal_attention", spy)
     bf16_engine.chat(long_prompts()[-1:], SamplingParams(temperature=0, max_tokens=2))
     probe = torch.empty(1, 1, 16, dtype=torch.bfloat16)
     cfg = bf16_engine.engine.runner.cfg
