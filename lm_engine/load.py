@@ -1,19 +1,17 @@
-"""Load control: the visual budget controller fed before and after every engine step.
+"""Load control: measures the load before and after every engine step and publishes it.
 
-Before a step it reads the queued prefill work, KV use and recent TTFT, moves the visual budget level and
-sets the scheduler's prefill cap (the per-token latency target at the measured prefill rate); after it, it
-measures the prefill the step did and publishes the admission state the next requests are judged by.
+Before a step it reads the queued prefill work, KV use and recent TTFT, hands them to the visual budget
+controller (which picks the level) and to the admission policy (which owns every refusal rule), and sets the
+scheduler's prefill cap (the per-token latency target at the measured prefill rate); after it, it measures
+the prefill the step did and publishes the admission state the next requests are judged by.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterator
-from types import MappingProxyType
 
-from lm_engine.admission import Admission, AdmissionState, queue_ahead_reason
+from lm_engine.admission import Admission, AdmissionPolicy
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
 from lm_engine.scheduler import Scheduler
@@ -36,19 +34,32 @@ class LoadControl:
         self.scheduler = scheduler
         self.block_manager = block_manager
         self.admission = admission
+        adaptive = config.visual_budget == "adaptive"
+        slo = config.ttft_slo_ms / 1000
         self.visual_budget = VisualBudgetController(
             ladder=ladder,
-            ttft_slo_s=config.ttft_slo_ms / 1000,
+            ttft_slo_s=slo,
             dwell_s=config.budget_dwell_s,
-            enabled=config.visual_budget == "adaptive",
+            enabled=adaptive,
             fixed_level=config.visual_level,
-            shed=config.slo_admission,
             clock=clock,
         )
+        # admission by the SLO: as asked, else while the budget adapts
+        sheds = adaptive if config.slo_admission is None else config.slo_admission
+        self.policy = AdmissionPolicy(slo, sheds=sheds, adaptive=adaptive)
         self.ttft_window = TTFTWindow(window_s=5 * config.budget_dwell_s, clock=clock)
         self.prefill_rate = PrefillRate(horizon_s=5 * config.budget_dwell_s)
         self._queued_before = 0
         self._started = 0.0
+
+    @property
+    def ttft_slo_s(self) -> float:
+        return self.policy.ttft_slo_s
+
+    @ttft_slo_s.setter
+    def ttft_slo_s(self, seconds: float) -> None:
+        """One target for both readers of it (tests and benchmarks move it on a running engine)."""
+        self.policy.ttft_slo_s = self.visual_budget.ttft_slo_s = seconds
 
     def before_step(self, busy: bool) -> None:
         self._queued_before, self._started = self.update(busy), self.clock()
@@ -85,37 +96,22 @@ class LoadControl:
         return out
 
     def update(self, busy: bool) -> int:
-        """Feed the controller and publish the admission state; returns the queued prefill tokens."""
-        vb = self.visual_budget
-        by_client = self.queued_by_client() if vb.sheds else None  # one pass over the queue either way
+        """Measure, feed the controller and the admission policy, publish the admission state; returns the
+        queued prefill tokens."""
+        policy = self.policy
+        by_client = self.queued_by_client() if policy.sheds else None  # one pass over the queue either way
         queued = sum(by_client.values()) if by_client is not None else self.queued_prefill_tokens()
-        vb.update(
-            BudgetSignals(
-                queued_tokens=queued,
-                token_budget=self.config.max_num_batched_tokens,
-                kv_usage=self.block_manager.usage(),
-                recent_ttft_s=self.ttft_window.percentile(0.9),
-                prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
-                busy=busy,
-            )
+        signals = BudgetSignals(
+            queued_tokens=queued,
+            token_budget=self.config.max_num_batched_tokens,
+            kv_usage=self.block_manager.usage(),
+            recent_ttft_s=self.ttft_window.percentile(0.9),
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            busy=busy,
         )
-        wait = vb.expected_wait_s
-        reason = queue_ahead_reason(wait, vb.ttft_slo_s) if vb.saturated else None
-        state = AdmissionState(vb.saturated, self._retry_after(queued), reason, wait)
-        if by_client is not None:  # what the API side decides on until the next step (AdmissionState's notes)
-            state = dataclasses.replace(
-                state,
-                queued_by_client=MappingProxyType(by_client),
-                prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
-                admit_within_s=vb.shed_low * vb.ttft_slo_s,
-                ttft_slo_s=vb.ttft_slo_s,
-                # NOTE: with the adaptive budget the queue is the ladder's signal too. Counting a request's own
-                # prefill there refused more, the shorter queue hid the load, and the ladder stepped back up
-                # mid-burst: 74 and 77 of 96 requests within the SLOs against 85 and 83 without
-                # (benchmarks/visual_budget.py, 2 s SLO, 2026-12-05). With a fixed budget only admission reads it.
-                own_from_s=None if vb.enabled else vb.queue_share * vb.ttft_slo_s,
-            )
-        self.admission.state = state
+        self.visual_budget.update(signals, saturated=policy.observe(signals))
+        # what the API side decides on until the next step (AdmissionState's notes)
+        self.admission.state = policy.publish(signals, by_client)
         return queued
 
     def _prefill_cap(self) -> int | None:
@@ -127,15 +123,6 @@ class LoadControl:
         if slo is None or rate is None:
             return None
         return max(self.config.block_size, int(rate * slo / 1000 * 0.8))
-
-    def _retry_after(self, queued_tokens: int) -> float:
-        """Whole seconds until what is queued now has been prefilled, at the measured throughput."""
-        rate = self.prefill_rate.tokens_per_s
-        if rate is None:  # nothing measured yet: a rough 50 ms per full step
-            wait = queued_tokens / max(1, self.config.max_num_batched_tokens) * 0.05
-        else:
-            wait = queued_tokens / rate
-        return float(max(1, min(60, math.ceil(wait))))
 
     def level_of(self, max_pixels: int | None) -> int:
         """The ladder level an image planned with ``max_pixels`` got (0: full resolution)."""

@@ -11,12 +11,11 @@ Each engine step feeds it three pressures, each normalised so 1.0 means "at the 
 Their maximum steps the level down a ladder of ``max_pixels`` values when it stays above ``high`` for
 ``dwell_s``, and back up when it stays below ``low`` for ``dwell_s`` (hysteresis + dwell, so it does not
 oscillate). Time counts as idle only while the engine reports no work queued or running: a long step under
-load is not a quiet spell. A queue whose expected wait exceeds the SLO makes the controller ``saturated``,
-at any level: a new request would wait behind all of it, and no budget for its own images shortens what is
-ahead of it, so it is refused (until the wait falls below ``shed_low`` × the SLO) rather than admitted to
-miss its deadline; meanwhile the level keeps stepping down, so the requests after the queue cost less.
-Refusing keeps the queue short, so a spell of saturation counts as pressure above ``high`` for a dwell after
-it: the queue it shortened is no sign that the load fell.
+load is not a quiet spell. The controller only picks levels: whether new work is refused is admission's
+(lm_engine/admission.py). A queue whose expected wait exceeds the SLO saturates admission at any level, and
+meanwhile the level keeps stepping down, so the requests after the queue cost less. Refusing keeps the queue
+short, so a spell of saturation (``update``'s ``saturated``) counts as pressure above ``high`` for a dwell
+after it: the queue it shortened is no sign that the load fell.
 """
 
 from __future__ import annotations
@@ -26,6 +25,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+QUEUE_SHARE = (
+    0.5  # of the TTFT SLO, what queueing may take (the rest: preprocessing, a request's own prefill)
+)
 
 
 @dataclass(slots=True)
@@ -49,27 +52,23 @@ class BudgetSignals:
 @dataclass(slots=True)
 class VisualBudgetController:
     ladder: list[int]  # max_pixels per level, level 0 = full resolution
-    ttft_slo_s: float = 2.0
+    ttft_slo_s: float  # EngineConfig.ttft_slo_ms's, through LoadControl
     high: float = 1.0
     low: float = 0.5
     dwell_s: float = 1.0
-    queue_share: float = 0.5  # of the TTFT SLO, what queueing may take (the rest: preprocessing, own prefill)
+    queue_share: float = QUEUE_SHARE
     drain_steps: int = 8  # the token-based queue pressure's horizon, before any throughput is measured
     kv_high: float = 0.9
-    shed_low: float = 0.75  # saturated until the expected wait falls below this share of the SLO
     enabled: bool = True
     fixed_level: int = 0  # what detail="auto" gets while disabled (0 = full resolution)
-    shed: bool | None = None  # whether ``saturated`` refuses new work; None: while ``enabled``
     clock: Callable[[], float] = time.monotonic
     level: int = 0
     pressure: float = 0.0
-    expected_wait_s: float | None = None  # of the queue at the last update
     _above_since: float | None = None
     _below_since: float | None = None
     _changed_at: float = field(default=float("-inf"))
     _idle_since: float | None = None  # set by an update reporting no work; cleared by one reporting work
-    _saturated: bool = False
-    _saturated_at: float | None = None  # the last update that found the controller saturated
+    _saturated_at: float | None = None  # the last update at which admission found the queue saturated
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, level) on each change
 
     def __post_init__(self) -> None:
@@ -81,8 +80,8 @@ class VisualBudgetController:
             raise ValueError(f"the max_pixels ladder must be positive and descending, got {self.ladder}")
         if not 0 <= self.low < self.high:
             raise ValueError("need 0 <= low < high")
-        if not 0 < self.shed_low <= 1 or not 0 < self.queue_share <= 1:
-            raise ValueError("need 0 < shed_low <= 1 and 0 < queue_share <= 1")
+        if not 0 < self.queue_share <= 1:
+            raise ValueError("need 0 < queue_share <= 1")
         if not 0 <= self.fixed_level < len(self.ladder):
             raise ValueError(
                 f"fixed_level {self.fixed_level} is not a level of the ladder (0..{self.lowest})"
@@ -125,13 +124,13 @@ class VisualBudgetController:
         ttft = s.recent_ttft_s / self.ttft_slo_s if s.recent_ttft_s is not None and s.queued_tokens else 0.0
         return max(queue, kv, ttft)
 
-    def update(self, signals: BudgetSignals) -> int:
-        """Feed one step's signals; returns the (possibly new) level."""
+    def update(self, signals: BudgetSignals, saturated: bool = False) -> int:
+        """Feed one step's signals and whether admission found the queue saturated after it
+        (:meth:`~lm_engine.admission.AdmissionPolicy.observe`); returns the (possibly new) level."""
         now = self.clock()
-        self.expected_wait_s = signals.expected_wait_s
         if not signals.busy:
             # NOTE: the engine stops updating while idle; _effective_level counts the quiet spell from here.
-            self.pressure, self._saturated, self._saturated_at = 0.0, False, None
+            self.pressure, self._saturated_at = 0.0, None
             if self._idle_since is None:
                 self._idle_since = now
                 self._above_since = None
@@ -142,8 +141,7 @@ class VisualBudgetController:
                 self._set(level, now)
             self._idle_since = None
         p = self.pressure = self.compute_pressure(signals)
-        self._saturated = self._shed(signals.expected_wait_s)
-        if self._saturated:
+        if saturated:
             self._saturated_at = now
         if not self.enabled:
             return self.level
@@ -174,26 +172,6 @@ class VisualBudgetController:
         ):
             self._set(self.level - 1, now)
         return self.level
-
-    def _shed(self, wait: float | None) -> bool:
-        # NOTE: until 2026-12-05 this waited for the lowest level. Under a burst at 2x the sustainable rate
-        # (benchmarks/quality_vs_budget.py, shipped demo model) the three dwells that takes let the queue grow
-        # to 3-6 s of work, and most requests admitted meanwhile missed the 2 s TTFT SLO (TTFT p50 2.9 s).
-        if wait is None:
-            return False
-        if wait > self.ttft_slo_s:
-            return True
-        return self._saturated and wait >= self.shed_low * self.ttft_slo_s
-
-    @property
-    def sheds(self) -> bool:
-        """Whether this controller refuses new work over the SLO at all (``shed``, else while enabled)."""
-        return self.enabled if self.shed is None else self.shed
-
-    @property
-    def saturated(self) -> bool:
-        """The queue ahead of a new request takes longer than the SLO: admitting it would only miss it."""
-        return self.sheds and self._saturated
 
     def _set(self, level: int, now: float) -> None:
         # NOTE: pressure seen past the threshold that moved the level counts from the change on, so with

@@ -125,7 +125,7 @@ def run_slow_burst(tiny_ckpt, polite: bool = False, **config) -> SlowBurst:
     assert engine.load.prefill_rate.tokens_per_s is not None
     # The requests finishing in the 2nd step see 2 steps of TTFT, those in the 3rd see 3: an SLO between.
     run = SlowBurst(step_s=SLOW_STEP_S, slo_s=2.5 * SLOW_STEP_S)
-    engine.load.visual_budget.ttft_slo_s = run.slo_s
+    engine.load.ttft_slo_s = run.slo_s
     assert engine.load.visual_budget.level_for("auto") == 0
     prompts = [engine.process_chat(user(f"question {i} " + "word " * 140)) for i in range(BURST)]
     assert sum(len(p.token_ids) for p in prompts) < 8 * 256

@@ -1,10 +1,12 @@
-"""The visual budget controller on synthetic signals: pressure → level, hysteresis, dwell, recovery,
-saturation; and the signals' own sources (TTFT window, prefill throughput)."""
+"""The visual budget controller on synthetic signals: pressure → level, hysteresis, dwell, recovery; the
+admission policy's saturation beside it, as LoadControl feeds both; and the signals' own sources (TTFT
+window, prefill throughput)."""
 
 from __future__ import annotations
 
 import pytest
 
+from lm_engine.admission import AdmissionPolicy
 from lm_engine.visual_budget import (
     BudgetSignals,
     PrefillRate,
@@ -30,6 +32,16 @@ def controller(clock: Clock, **kw) -> VisualBudgetController:
     )
 
 
+def policy(sheds: bool = True, adaptive: bool = True) -> AdmissionPolicy:
+    """Saturation's hysteresis: refused past the 1 s SLO, until the wait falls under 0.75 s."""
+    return AdmissionPolicy(ttft_slo_s=1.0, sheds=sheds, adaptive=adaptive)
+
+
+def step(c: VisualBudgetController, p: AdmissionPolicy, s: BudgetSignals) -> int:
+    """One LoadControl update: the policy observes, the controller counts its saturation as pressure."""
+    return c.update(s, saturated=p.observe(s))
+
+
 def sig(queued=0, kv=0.0, ttft=None, budget=100, rate=None, busy=True) -> BudgetSignals:
     """``rate``: measured prefill tokens/s (None: not measured yet); ``busy``: the engine has work at all."""
     return BudgetSignals(
@@ -43,12 +55,17 @@ def sig(queued=0, kv=0.0, ttft=None, budget=100, rate=None, busy=True) -> Budget
 
 
 def run(
-    c: VisualBudgetController, clock: Clock, s: BudgetSignals, seconds: float, dt: float = 0.1
+    c: VisualBudgetController,
+    clock: Clock,
+    s: BudgetSignals,
+    seconds: float,
+    dt: float = 0.1,
+    p: AdmissionPolicy | None = None,
 ) -> list[int]:
     levels = []
     for _ in range(round(seconds / dt)):
         clock.t += dt
-        levels.append(c.update(s))
+        levels.append(step(c, p, s) if p is not None else c.update(s))
     return levels
 
 
@@ -97,16 +114,16 @@ def test_shedding_counts_as_pressure_while_the_queue_it_keeps_short_reads_low():
     count as pressure for a dwell after each, so the ladder steps down under it; once they stop, the band
     holds the level again."""
     clock = Clock()
-    c = controller(clock)  # SLO 1 s, dwell 1 s, queueing may take half the SLO
+    c, p = controller(clock), policy()  # SLO 1 s, dwell 1 s, queueing may take half the SLO
     over, band = sig(queued=150, rate=100.0), sig(queued=40, rate=100.0)  # waits of 1.5 s and 0.4 s
     assert c.compute_pressure(band) == pytest.approx(0.8)  # between low and high
     for _ in range(6):  # 0.3 s saturated, 0.4 s in the band
-        run(c, clock, over, 0.3)
-        assert c.saturated
-        run(c, clock, band, 0.4)
-        assert not c.saturated
+        run(c, clock, over, 0.3, p=p)
+        assert p.saturated
+        run(c, clock, band, 0.4, p=p)
+        assert not p.saturated
     assert c.level >= 2
-    settled = run(c, clock, band, 6.0)
+    settled = run(c, clock, band, 6.0, p=p)
     assert len(set(settled[15:])) == 1  # a dwell after the last refusal spell, nothing moves
 
 
@@ -126,7 +143,7 @@ def test_slow_queue_steps_down_before_any_ttft_is_seen():
     # 200 tokens are half of what 4 steps of 100 take (no pressure by tokens), and no TTFT came back yet,
     # but at 50 tokens/s they are 4 s of waiting against a 1 s SLO.
     levels = run(c, clock, sig(queued=200, rate=50.0), 2.5)
-    assert levels[-1] == 2 and c.expected_wait_s == pytest.approx(4.0)
+    assert levels[-1] == 2 and sig(queued=200, rate=50.0).expected_wait_s == pytest.approx(4.0)
     # The same queue drained at 5000 tokens/s is no reason to lower anything.
     fast = controller(clock)
     assert set(run(fast, clock, sig(queued=200, rate=5000.0), 5.0)) == {0}
@@ -237,38 +254,46 @@ def test_engine_config_takes_a_visual_level_only_under_a_fixed_budget():
 
 def test_saturated_while_the_queue_ahead_takes_longer_than_the_slo():
     clock = Clock()
-    c = controller(clock)  # SLO 1 s; shedding stops once the wait is under 0.75 s
+    c, p = controller(clock), policy()  # SLO 1 s; saturation ends once the wait is under 0.75 s
     slow = sig(queued=500, rate=100.0)  # 5 s of queue
-    levels = run(c, clock, slow, 4.0)
+    levels = run(c, clock, slow, 4.0, p=p)
     assert levels[-1] == c.lowest
-    assert c.saturated and c.expected_wait_s == pytest.approx(5.0)
+    assert p.saturated and slow.expected_wait_s == pytest.approx(5.0)
     # Hysteresis: 0.9 s is within the SLO but above the exit threshold: keep refusing.
-    c.update(sig(queued=90, rate=100.0))
-    assert c.saturated
-    c.update(sig(queued=70, rate=100.0))
-    assert not c.saturated
-    c.update(sig(queued=90, rate=100.0))
-    assert not c.saturated  # and back in only above the SLO
-    c.update(sig(queued=150, rate=100.0))
-    assert c.saturated
-    c.update(sig(busy=False))
-    assert not c.saturated  # an idle engine refuses nothing
-    # No measured throughput, no saturation (tokens alone say nothing about time); fixed mode never sheds.
-    c2 = controller(clock)
-    run(c2, clock, sig(queued=10_000), 6.0)
-    assert c2.level == c2.lowest and not c2.saturated
-    fixed = controller(clock, enabled=False)
-    run(fixed, clock, slow, 6.0)
-    assert not fixed.saturated
-    # unless asked to (a fixed budget with admission by the SLO), and an adaptive one may be told not to
-    fixed_shedding = controller(clock, enabled=False, shed=True)
-    fixed_shedding.update(sig(queued=500, rate=100.0))
-    assert fixed_shedding.saturated and fixed_shedding.level == 0
-    fixed_shedding.update(sig(queued=70, rate=100.0))
-    assert not fixed_shedding.saturated
-    never = controller(clock, shed=False)
-    run(never, clock, slow, 6.0)
-    assert never.level == never.lowest and not never.saturated
+    assert p.observe(sig(queued=90, rate=100.0))
+    assert not p.observe(sig(queued=70, rate=100.0))
+    assert not p.observe(sig(queued=90, rate=100.0))  # and back in only above the SLO
+    assert p.observe(sig(queued=150, rate=100.0))
+    assert not p.observe(sig(busy=False))  # an idle engine refuses nothing
+    # No measured throughput, no saturation (tokens alone say nothing about time).
+    c2, p2 = controller(clock), policy()
+    run(c2, clock, sig(queued=10_000), 6.0, p=p2)
+    assert c2.level == c2.lowest and not p2.saturated
+
+
+def test_only_a_shedding_policy_refuses_and_a_fixed_budget_counts_the_own_prompt():
+    slow, by_client = sig(queued=500, rate=100.0), {"a": 300, "b": 200}
+    shedding = policy()
+    shedding.observe(slow)
+    state = shedding.publish(slow, by_client)
+    assert state.overloaded and "5.0 s of queued work" in state.reason and state.expected_wait_s == 5.0
+    assert state.retry_after_s == 5.0 and dict(state.queued_by_client) == by_client
+    assert state.admit_within_s == pytest.approx(0.75) and state.ttft_slo_s == 1.0
+    assert (
+        state.own_from_s is None
+    )  # the adaptive budget reads the queue: a request's own prompt never counts
+    fixed = policy(adaptive=False)
+    fixed.observe(slow)
+    assert fixed.publish(slow, by_client).own_from_s == pytest.approx(0.5)  # past half the SLO of queue
+    # Saturation is still seen where nothing is refused (the visual budget counts it as pressure).
+    never = policy(sheds=False)
+    assert never.observe(slow)
+    state = never.publish(slow, None)
+    assert not state.overloaded and state.reason is None and state.ttft_slo_s is None
+    assert state.expected_wait_s == 5.0
+    # Before any rate is measured, the retry hint is a rough 50 ms per full step (at least 1 s).
+    assert AdmissionPolicy.retry_after_s(sig(queued=10_000)) == 5.0
+    assert AdmissionPolicy.retry_after_s(sig(queued=10)) == 1.0
 
 
 def test_saturation_does_not_wait_for_the_floor():
@@ -276,30 +301,30 @@ def test_saturation_does_not_wait_for_the_floor():
     # new request's images shortens the work ahead of it. The level steps down meanwhile, one dwell at a
     # time, so what is admitted later costs less.
     clock = Clock()
-    c = controller(clock)  # SLO 1 s, dwell 1 s
+    c, p = controller(clock), policy()  # SLO 1 s, dwell 1 s
     clock.t += 0.1
-    c.update(sig(queued=500, rate=100.0))  # 5 s of queue
-    assert c.level == 0 and c.saturated
+    step(c, p, sig(queued=500, rate=100.0))  # 5 s of queue
+    assert c.level == 0 and p.saturated
     seen = []
     for _ in range(40):
         clock.t += 0.1
-        c.update(sig(queued=500, rate=100.0))
-        seen.append((c.level, c.saturated))
+        step(c, p, sig(queued=500, rate=100.0))
+        seen.append((c.level, p.saturated))
     assert all(sat for _, sat in seen)
     assert [level for level, _ in seen] == sorted(level for level, _ in seen)  # stepping down only
     assert seen[-1] == (c.lowest, True)
     # Over the queue's share of the SLO but within the SLO itself (0.8 s): lowering the level is the
     # answer, not refusing work.
-    c2 = controller(clock)
-    levels = run(c2, clock, sig(queued=80, rate=100.0), 4.0)
-    assert levels[-1] == c2.lowest and not c2.saturated
+    c2, p2 = controller(clock), policy()
+    levels = run(c2, clock, sig(queued=80, rate=100.0), 4.0, p=p2)
+    assert levels[-1] == c2.lowest and not p2.saturated
 
 
 def test_ladder_and_ttft_window():
     assert default_ladder(1_003_520, 3136) == [1_003_520, 501_760, 250_880, 3136]
     assert default_ladder(6272, 3136) == [6272, 3136]
     with pytest.raises(ValueError):
-        VisualBudgetController(ladder=[100, 200])
+        VisualBudgetController(ladder=[100, 200], ttft_slo_s=1.0)
     clock = Clock()
     w = TTFTWindow(window_s=5.0, clock=clock)
     assert w.percentile() is None
