@@ -106,7 +106,7 @@ def jemalloc_relaunch(
     NOTE: for training, whose steps allocate and free tensors of many sizes: glibc's ``malloc`` took 10-14 %
     of ``train-demo``'s samples (``perf``, a 2-vCPU EPYC with AVX512-BF16), and the same 120 tower steps ran
     at 18.8 images/s under jemalloc against 16.3 (same weights to the byte: the allocator changes no
-    arithmetic). The server keeps glibc: there jemalloc measured no better (README, memory)."""
+    arithmetic). The server keeps glibc: there jemalloc measured no better (docs/memory.md)."""
     env = dict(os.environ if environ is None else environ)
     if env.get(_RELAUNCHED) or env.get("VLMSERVE_ALLOCATOR", "jemalloc") == "system":
         return None
