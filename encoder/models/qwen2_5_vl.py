@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from encoder.attention import Segments, VarlenAttention, cpu_kernel
+from encoder.attention import Segments, cpu_kernel
 from encoder.models.base import PatchGeometry, VisionTower
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
-    Attention,
+    Block,
     PatchEmbed,
     PatchMerger,
     VisionBatch,
@@ -116,19 +116,6 @@ class GatedMlp(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: Qwen25VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.embed_dim)
-        self.norm2 = RMSNorm(cfg.embed_dim)
-        self.attn = Attention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = GatedMlp(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor, batch: VisionBatch, attend: VarlenAttention) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), batch, attend)
-        return x + self.mlp(self.norm2(x))
-
-
 def window_order(
     grid_thw: list[tuple[int, int, int]], merge: int, window: int
 ) -> tuple[torch.Tensor, list[int]]:
@@ -158,7 +145,15 @@ class Qwen25VisionTower(VisionTower):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_dim = cfg.out_hidden
         self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            Block(
+                cfg.embed_dim,
+                cfg.num_heads,
+                GatedMlp(cfg.embed_dim, cfg.intermediate_size, cfg.hidden_act),
+                norm=RMSNorm,
+            )
+            for _ in range(cfg.depth)
+        )
         self.merger = PatchMerger(cfg.embed_dim, cfg.out_hidden, cfg.spatial_merge_size, norm=RMSNorm)
 
     def metadata(

@@ -7,6 +7,7 @@ embedding's Conv3d (kernel = stride = one patch) is the Linear it amounts to on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -125,13 +126,23 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def layer_norm(dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=1e-6)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """A block of every Qwen-VL tower: attention, then the MLP, each after its norm and added to the stream. The
+    families differ in the norm (LayerNorm; RMSNorm for Qwen2.5-VL) and the MLP (named as each checkpoint
+    stores it), which they hand in."""
+
+    def __init__(
+        self, embed_dim: int, num_heads: int, mlp: nn.Module, norm: Callable[[int], nn.Module] = layer_norm
+    ) -> None:
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = Attention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = Mlp(cfg.embed_dim, cfg.mlp_hidden, cfg.hidden_act)
+        self.norm1 = norm(embed_dim)
+        self.norm2 = norm(embed_dim)
+        self.attn = Attention(embed_dim, num_heads)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor, batch: VisionBatch, attend: VarlenAttention) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), batch, attend)
@@ -156,9 +167,11 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, patch_dim: int, embed_dim: int) -> None:
+    """The checkpoint's Conv3d (kernel = stride = one patch) as the Linear it amounts to; Qwen3-VL's has a bias."""
+
+    def __init__(self, patch_dim: int, embed_dim: int, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(patch_dim, embed_dim, bias=False)
+        self.proj = nn.Linear(patch_dim, embed_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
@@ -173,7 +186,10 @@ class Qwen2VisionTower(VisionTower):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.out_dim = cfg.out_hidden
         self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            Block(cfg.embed_dim, cfg.num_heads, Mlp(cfg.embed_dim, cfg.mlp_hidden, cfg.hidden_act))
+            for _ in range(cfg.depth)
+        )
         self.merger = PatchMerger(cfg.embed_dim, cfg.out_hidden, cfg.spatial_merge_size)
 
     def metadata(self, grid_thw: list[tuple[int, int, int]], device: torch.device) -> VisionBatch:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from encoder.attention import Segments, VarlenAttention
+from encoder.attention import Segments
 from encoder.models.base import PatchGeometry, VisionTower
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
-    Attention,
+    Block,
+    PatchEmbed,
     VisionBatch,
     grids_of,
     patch_positions,
@@ -84,17 +85,6 @@ def position_taps(grid_thw: list[tuple[int, int, int]], merge: int, side: int) -
     return index, (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
 
 
-class PatchEmbed(nn.Module):
-    """The checkpoint's Conv3d (kernel = stride = one patch, with a bias) as the Linear it amounts to."""
-
-    def __init__(self, patch_dim: int, embed_dim: int) -> None:
-        super().__init__()
-        self.proj = nn.Linear(patch_dim, embed_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
-
-
 class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
@@ -104,19 +94,6 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, cfg: Qwen3VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = Attention(cfg.embed_dim, cfg.num_heads)
-        self.mlp = Mlp(cfg.embed_dim, cfg.mlp_hidden, cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor, batch: VisionBatch, attend: VarlenAttention) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), batch, attend)
-        return x + self.mlp(self.norm2(x))
 
 
 class Merger(nn.Module):
@@ -148,9 +125,12 @@ class Qwen3VisionTower(VisionTower):
         self.out_dim = cfg.out_hidden
         self.levels = len(cfg.deepstack_indexes)
         self.side = int(cfg.num_position_embeddings**0.5)
-        self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
+        self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.embed_dim)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
+        self.blocks = nn.ModuleList(
+            Block(cfg.embed_dim, cfg.num_heads, Mlp(cfg.embed_dim, cfg.mlp_hidden, cfg.hidden_act))
+            for _ in range(cfg.depth)
+        )
         self.merger = Merger(cfg, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(Merger(cfg, postshuffle=True) for _ in range(self.levels))
 
