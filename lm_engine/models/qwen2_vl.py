@@ -347,12 +347,22 @@ class Qwen2VLDecoder(nn.Module):
         if fused is not None:
             return fused
         x = self.embed_tokens(input_ids)
+        levels = self.place_images(x, mm_rows, mm_embeds)
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
+            if i < len(levels):  # a deepstack level goes into the image rows after layer i
+                x[mm_rows] = x[mm_rows] + levels[i]
+        return self.norm(x)
+
+    def place_images(
+        self, x: torch.Tensor, mm_rows: torch.Tensor | None, mm_embeds: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """Write the image rows' embeddings into ``x``; returns the levels to add after the first layers (none
+        here: Qwen3-VL's deepstack has them)."""
         if mm_rows is not None and mm_rows.numel():
             x[mm_rows] = mm_embeds.to(x.dtype)
-        cos, sin = self.rotary(positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
-        return self.norm(x)
+        return []
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

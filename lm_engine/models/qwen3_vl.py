@@ -163,35 +163,20 @@ class Qwen3VLDecoder(Qwen2VLDecoder):
         rotary = InterleavedMRotary if cfg.mrope_interleaved else MRotaryEmbedding
         return rotary(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-        mm_rows: torch.Tensor | None = None,
-        mm_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        fused = self.fused_step(input_ids, positions, kv_caches, meta, mm_rows)
-        if fused is not None:
-            return fused
-        x = self.embed_tokens(input_ids)
-        levels: list[torch.Tensor] = []
-        if mm_rows is not None and mm_rows.numel():
-            main, *levels = mm_embeds.to(x.dtype).split(self.cfg.hidden_size, dim=-1)
-            if len(levels) != self.cfg.deepstack_levels:
-                raise ValueError(
-                    f"image rows carry {len(levels)} deepstack levels, the model has "
-                    f"{self.cfg.deepstack_levels}"
-                )
-            x[mm_rows] = main
-        cos, sin = self.rotary(positions, x.dtype)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, backend)
-            if i < len(levels):
-                x[mm_rows] = x[mm_rows] + levels[i]
-        return self.norm(x)
+    def place_images(
+        self, x: torch.Tensor, mm_rows: torch.Tensor | None, mm_embeds: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """An image row carries the main merger's embedding, then each deepstack level's (the tower's layout):
+        the main one goes in now, the levels after the first layers."""
+        if mm_rows is None or not mm_rows.numel():
+            return []
+        main, *levels = mm_embeds.to(x.dtype).split(self.cfg.hidden_size, dim=-1)
+        if len(levels) != self.cfg.deepstack_levels:
+            raise ValueError(
+                f"image rows carry {len(levels)} deepstack levels, the model has {self.cfg.deepstack_levels}"
+            )
+        x[mm_rows] = main
+        return levels
 
     def layer_tensors(self) -> int:
         """q k v o gate up down, two norms, the q and k norms (and q/k/v/o biases where the config has them)."""
