@@ -11,6 +11,7 @@ HF-like shards, drawn and written one shard at a time).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -414,24 +415,46 @@ def make_checkpoint(
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset]
     family = resolve_family(preset, family)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-
     config = build_config(p, family)
-    _write_json(out / "config.json", config)
-    write_weights(
-        out,
+    return write_checkpoint(
+        out_dir,
+        config,
         weight_specs(config),
         functools.partial(init_tensor, config, seed),
         getattr(torch, config["torch_dtype"]),
         p.shard_size_bytes if shard_size_bytes is None else shard_size_bytes,
+        p,
+        CHAT_TEMPLATE,
+        {"preprocessor_config.json": preprocessor_config(p, family)},
     )
-    _write_tokenizer(out, p)
-    _write_json(out / "generation_config.json", generation_config(p))
-    _write_json(out / "preprocessor_config.json", preprocessor_config(p, family))
-    _write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+
+
+def write_checkpoint(
+    out_dir: str | Path,
+    config: dict,
+    specs: list[tuple[str, tuple[int, ...]]],
+    init: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dtype: torch.dtype,
+    shard_size_bytes: int,
+    text: Preset,
+    chat_template: str,
+    files: dict[str, dict],
+) -> Path:
+    """The writer every family's maker shares: into ``out_dir`` (created; our files overwritten, stale shards
+    removed) the config, the weights ``specs`` names drawn by ``init`` in ``dtype`` (sharded as
+    :func:`write_weights` does), the tokenizer of the text preset ``text`` carrying ``chat_template``, the
+    generation config, ``chat_template.json`` and the family's other JSON ``files``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    _write_json(out / "config.json", config)
+    write_weights(out, specs, init, dtype, shard_size_bytes)
+    _write_tokenizer(out, text, chat_template)
+    _write_json(out / "generation_config.json", generation_config(text))
+    for name, obj in files.items():
+        _write_json(out / name, obj)
+    _write_json(out / "chat_template.json", {"chat_template": chat_template})
     return out
 
 
@@ -476,7 +499,11 @@ def _hf_model_on_meta(config: dict) -> torch.nn.Module:
     prefix = "Qwen2_5_VL" if config["model_type"] == "qwen2_5_vl" else "Qwen2VL"
     config_cls = getattr(transformers, f"{prefix}Config")
     model_cls = getattr(transformers, f"{prefix}ForConditionalGeneration")
-    cfg = config_cls(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    # NOTE: a copy: transformers' config classes fill in the rope dict they are given (rope_theta, rope_type),
+    # which would then be written into config.json
+    cfg = config_cls(
+        **{k: v for k, v in copy.deepcopy(config).items() if k not in ("architectures", "model_type")}
+    )
     with torch.device("meta"):
         return model_cls(cfg)
 
@@ -779,7 +806,7 @@ def _train_bpe(vocab_size: int, corpus_words: int, corpus_lines: int):
     return tok
 
 
-def _write_tokenizer(out: Path, p: Preset) -> None:
+def _write_tokenizer(out: Path, p: Preset, chat_template: str = CHAT_TEMPLATE) -> None:
     text = _tokenizer_json(p.tokenizer_vocab, p.corpus_words, p.corpus_lines)
     (out / "tokenizer.json").write_text(text, encoding="utf-8")
     model = json.loads(text)["model"]
@@ -804,7 +831,7 @@ def _write_tokenizer(out: Path, p: Preset) -> None:
             "added_tokens_decoder": added,
             "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
             "bos_token": None,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template,
             "clean_up_tokenization_spaces": False,
             "eos_token": "<|im_end|>",
             "errors": "replace",

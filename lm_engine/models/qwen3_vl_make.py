@@ -10,8 +10,8 @@ Besides the test presets, the published Qwen3-VL-2B / 4B / 8B shapes.
 
 from __future__ import annotations
 
+import copy
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,27 +244,21 @@ def make_checkpoint(
     if isinstance(preset, str) and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     p = PRESETS[preset] if isinstance(preset, str) else preset
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
     config = build_config(p)
-    base._write_json(out / "config.json", config)
-    base.write_weights(
-        out,
+    return base.write_checkpoint(
+        out_dir,
+        config,
         weight_specs(config),
         functools.partial(init_tensor, config, seed),
         getattr(torch, config["dtype"]),
         p.text.shard_size_bytes if shard_size_bytes is None else shard_size_bytes,
+        p.text,
+        CHAT_TEMPLATE,
+        {
+            "preprocessor_config.json": preprocessor_config(p),
+            "video_preprocessor_config.json": video_preprocessor_config(p),
+        },
     )
-    base._write_tokenizer(out, p.text)
-    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    base._write_json(out / "tokenizer_config.json", {**tok_cfg, "chat_template": CHAT_TEMPLATE})
-    base._write_json(out / "generation_config.json", base.generation_config(p.text))
-    base._write_json(out / "preprocessor_config.json", preprocessor_config(p))
-    base._write_json(out / "video_preprocessor_config.json", video_preprocessor_config(p))
-    base._write_json(out / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    return out
 
 
 def preprocessor_config(p: Preset) -> dict:
@@ -296,7 +290,11 @@ def video_preprocessor_config(p: Preset) -> dict:
 def _hf_model_on_meta(config: dict) -> torch.nn.Module:
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    cfg = Qwen3VLConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    # NOTE: a copy: transformers' config classes fill in the rope dict they are given (rope_theta, rope_type),
+    # which would then be written into config.json
+    cfg = Qwen3VLConfig(
+        **{k: v for k, v in copy.deepcopy(config).items() if k not in ("architectures", "model_type")}
+    )
     with torch.device("meta"):
         return Qwen3VLForConditionalGeneration(cfg)
 
