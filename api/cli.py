@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import logging
@@ -11,6 +10,8 @@ import os
 import sys
 import time
 from typing import TYPE_CHECKING
+
+from api import flags
 
 if TYPE_CHECKING:
     from api.media import MediaConfig
@@ -32,24 +33,14 @@ PUBLISHED_PRESETS = (
 )
 
 
-def _default(cls, name: str):
-    """A settings dataclass's own default: the one source of truth for the flags' defaults."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
-
-
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from lm_engine.config import EngineConfig
-    from preprocess.hashing import HASH_ALGORITHMS
 
-    e = functools.partial(_default, EngineConfig)
+    e = functools.partial(flags.default, EngineConfig)
     p.add_argument(
         "--model", default=None, help="local Hugging Face checkpoint directory (default: the demo model)"
     )
-    p.add_argument(
-        "--dtype", default=e("dtype"), help="auto (the checkpoint's own), float32, bfloat16, float16"
-    )
-    p.add_argument("--device", default=e("device"))
+    flags.add_compute(p, EngineConfig)
     p.add_argument("--block-size", type=int, default=e("block_size"))
     p.add_argument("--max-num-batched-tokens", type=int, default=e("max_num_batched_tokens"))
     p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
@@ -91,29 +82,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="image decode/resize processes (default: min(4, cores); 0 = threads in the server process)",
     )
-    g.add_argument(
-        "--embedding-cache-mb",
-        type=int,
-        default=e("embedding_cache_bytes") >> 20,
-        help="in-process embedding cache (L1) size",
-    )
-    g.add_argument(
-        "--redis-url",
-        default=e("redis_url"),
-        help="Redis for the shared embedding cache (L2), e.g. redis://127.0.0.1:6379/0",
-    )
-    g.add_argument(
-        "--redis-key-prefix", default=e("redis_key_prefix"), help="prefix of this server's keys in Redis"
-    )
-    g.add_argument(
-        "--hash-algorithm",
-        default=e("hash_algorithm"),
-        choices=HASH_ALGORITHMS,
-        help="identity hash of image bytes, embedding-cache keys and prefix-cache blocks (default: %(default)s, "
-        "the fastest cryptographic one measured). Servers sharing Redis or an encoder pool must agree; keys of "
-        "another algorithm are never read as their own. xxh3 is faster but NOT collision resistant: a client "
-        "can craft an image that collides with another's and be answered from its cached embeddings and KV "
-        "(or make others be answered from its own); use it only where every client is trusted",
+    flags.add_embedding_cache(
+        g,
+        EngineConfig,
+        "embedding_cache_bytes",
+        "Redis for the shared embedding cache (L2), e.g. redis://127.0.0.1:6379/0",
+        flags.HASH_HELP,
     )
 
 
@@ -180,7 +154,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
     from lm_engine.models.demo_train import TrainConfig
 
-    t = functools.partial(_default, TrainConfig)
+    t = functools.partial(flags.default, TrainConfig)
     p = sub.add_parser(
         "train-demo",
         help="train the demo checkpoint on the synthetic task set (default run: up to 45 min on 2 CPU cores)",
@@ -444,7 +418,7 @@ def _check_visual_level(args: argparse.Namespace, model: str) -> None:
 def _add_server_args(p: argparse.ArgumentParser) -> None:
     from api.config import ConnectionLimits, ServerArgs
 
-    srv = functools.partial(_default, ServerArgs)
+    srv = functools.partial(flags.default, ServerArgs)
     p.add_argument(
         "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
     )
@@ -535,7 +509,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     from lm_engine.config import EngineConfig
 
-    e = functools.partial(_default, EngineConfig)
+    e = functools.partial(flags.default, EngineConfig)
     g = p.add_argument_group("load control")
     g.add_argument(
         "--visual-budget",
@@ -596,9 +570,9 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from api import encoder_command as encoder_tier
     from api.config import ConnectionLimits, ServerArgs
     from api.server import run_server
-    from encoder.tier import command as encoder_tier
     from lm_engine.config import EngineConfig
     from lm_engine.memory import NotEnoughMemory
     from lm_engine.startup import StartupPhases, process_age_s
@@ -709,8 +683,9 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_batch)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from encoder.tier import command as encoder_tier
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's flags (their defaults read from the settings classes: api/flags.py)."""
+    from api import encoder_command as encoder_tier
 
     parser = argparse.ArgumentParser(prog="vlmserve", description="Serve vision-language models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -754,8 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     p.add_argument("--max-tokens", type=int, default=32)
     p.set_defaults(func=cmd_demo)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.command_line = sys.argv[1:] if argv is None else None  # None: called in-process (tests)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

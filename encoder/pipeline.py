@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -102,7 +103,40 @@ class _Pending:
     ticket: _Ticket
 
 
+@runtime_checkable
+class EncoderClient(Protocol):
+    """What the engine asks of whatever encodes its images: this process's :class:`VisionPipeline`, or
+    :class:`~encoder.tier.client.RemoteVisionPipeline` (a ``vlmserve encoder`` pool, with this process's
+    pipeline as its fallback). Engine thread only, except where a method says otherwise."""
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """A failure that left the device unusable (the engine stops on it), or None."""
+
+    @property
+    def stats(self) -> EncoderStats:
+        """The in-process encoder's figures."""
+
+    @property
+    def pending(self) -> int:
+        """Keys submitted whose result has not been taken yet."""
+
+    def submit(self, jobs: list[EncodeJob]) -> None:
+        """Start each job's key (a key already in flight is not started again); never blocks."""
+
+    def take_results(self) -> list[Encoded]:
+        """The results finished since the last call (an embedding, or the error), each key once."""
+
+    def wait(self, timeout: float) -> None:
+        """Block until a result is ready or ``timeout`` seconds pass."""
+
+    def close(self) -> None:
+        """Stop its threads and connections; results not yet taken are dropped."""
+
+
 class VisionPipeline:
+    """The in-process :class:`EncoderClient`: cache lookup, preprocessing and the batched tower (module doc)."""
+
     def __init__(
         self,
         encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],

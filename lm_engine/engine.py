@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from cache import EmbeddingCache
-from encoder import VisionPipeline, vision_fingerprint
+from encoder import EncoderClient, VisionPipeline, vision_fingerprint
 from lm_engine.admission import Admission, EngineOverloaded, Ticket
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
@@ -97,6 +97,7 @@ class LLMEngine:
         )
         workers = config.preprocess_workers
         self.preprocess_pool = PreprocessPool(workers) if workers > 0 else None
+        self.vision: EncoderClient
         self.vision = local = VisionPipeline(
             self.runner.encode_images,
             pp,

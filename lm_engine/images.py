@@ -4,7 +4,7 @@ A request holds the keys of its images from when it is added until it ends. An i
 encoder once (however many requests hold it, and only when a request needs its rows: one whose prefix-cache
 hit covers the image needs no encoding), its result is kept while someone holds its key, and dropped when
 the last holder lets go. Engine thread only: the pipeline's threads hand results over through
-``VisionPipeline.take_results``.
+``EncoderClient.take_results``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from cache import EmbeddingKey
 from cache.layout import EmbeddingLayout
-from encoder import EncodeJob, VisionPipeline
+from encoder import EncodeJob, EncoderClient
 from lm_engine.sequence import ImageItem
 
 
@@ -27,7 +27,7 @@ class MalformedEmbedding(RuntimeError):
 class EncodedImages:
     def __init__(
         self,
-        pipeline: VisionPipeline,
+        pipeline: EncoderClient,
         place: Callable[[torch.Tensor], torch.Tensor],
         layout: EmbeddingLayout,
     ) -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from pathlib import Path
 
-from api.cluster.haproxy import DEFAULT_BUFSIZE, DEFAULT_KEY_CHARS, ROUTINGS, BalancerConfig, HAProxyMissing
+from api import flags
+from api.cluster.haproxy import ROUTINGS, BalancerConfig, HAProxyMissing
 from api.cluster.launcher import ClusterError, ClusterSpec, run_cluster, write_balancer_config
 
 log = logging.getLogger("vlmserve.cluster")
@@ -16,6 +18,7 @@ _OWNED = ("--model", "--host", "--port", "--replica-name", "--redis-url", "--ser
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = functools.partial(flags.default, ClusterSpec)
     p = sub.add_parser(
         "cluster",
         help="N serve replicas behind HAProxy, routed by image (see README: Several replicas)",
@@ -24,28 +27,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "goes to the least-loaded one; an x-session-id header, else the request's `user`, keeps a chat on "
         "one replica. Flags after `--` go to every replica's `vlmserve serve`.",
     )
-    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument(
+        "--replicas", type=int, default=2, help="serve replicas started here (default: %(default)s)"
+    )
     p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--host", default="127.0.0.1", help="the balancer's address (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="the balancer's port")
+    p.add_argument("--host", default=d("host"), help="the balancer's address (default: this machine only)")
+    p.add_argument("--port", type=int, default=d("port"), help="the balancer's port")
     p.add_argument(
-        "--replica-base-port", type=int, default=None, help="replica ports (default: --port + 1..N)"
+        "--replica-base-port",
+        type=int,
+        default=d("replica_base_port"),
+        help="replica ports (default: --port + 1..N)",
     )
     p.add_argument(
         "--redis-url",
-        default="redis://127.0.0.1:6379/0",
+        default=d("redis_url"),
         help="the embedding cache every replica shares ('' for none; default: the local Redis)",
     )
     p.add_argument(
         "--encoder-workers",
         type=int,
-        default=0,
+        default=d("encoder_workers"),
         help="start one shared encoder pool (`vlmserve encoder`) of M processes for every replica "
         "(default 0: each replica encodes its own images)",
     )
     p.add_argument(
-        "--run-dir", type=Path, default=None, help="config, logs and cluster.json (default: a temp dir)"
+        "--run-dir",
+        type=Path,
+        default=d("run_dir"),
+        help="config, logs and cluster.json (default: a temp dir)",
     )
     p.add_argument("--no-restart", dest="restart", action="store_false", help="leave dead replicas dead")
     _add_balancer_args(p.add_argument_group("balancer"))
@@ -54,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_balancer_args(g: argparse._ArgumentGroup) -> None:
+    b = functools.partial(flags.default, BalancerConfig)
     g.add_argument(
         "--replica-addr",
         action="append",
@@ -64,29 +76,28 @@ def _add_balancer_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--balance-factor",
         type=int,
-        default=150,
+        default=b("balance_factor"),
         help="bounded load: a replica above this %% of the mean in-flight load takes no new image/session",
     )
     g.add_argument(
         "--balance-min-load",
         type=int,
-        default=8,
+        default=b("balance_min_load"),
         help="...unless it holds fewer than this many requests in flight (below it, keys never spill)",
     )
-    g.add_argument(
-        "--image-key-chars", type=int, default=DEFAULT_KEY_CHARS, help="image URL characters hashed"
-    )
-    g.add_argument(
-        "--bufsize", type=int, default=DEFAULT_BUFSIZE, help="bytes of a request the balancer sees"
-    )
+    g.add_argument("--image-key-chars", type=int, default=b("key_chars"), help="image URL characters hashed")
+    g.add_argument("--bufsize", type=int, default=b("bufsize"), help="bytes of a request the balancer sees")
     g.add_argument(
         "--routing",
         choices=ROUTINGS,
-        default="image",
+        default=b("routing"),
         help="image: the rules above (default); round-robin: each request to the next replica (a baseline)",
     )
     g.add_argument(
-        "--drain-timeout", type=int, default=120, help="seconds in-flight requests get on shutdown"
+        "--drain-timeout",
+        type=int,
+        default=b("drain_timeout_s"),
+        help="seconds in-flight requests get on shutdown",
     )
     g.add_argument(
         "--write-config",

@@ -78,6 +78,9 @@ class _Sent:
 
 
 class RemoteVisionPipeline:
+    """The :class:`~encoder.pipeline.EncoderClient` of an engine served by a ``vlmserve encoder`` pool; ``local``
+    takes over where the pool cannot (``fallback``)."""
+
     def __init__(
         self,
         url: str,

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
 
-from preprocess.hashing import DEFAULT_HASH, HASH_ALGORITHMS
+from api import flags
 
 
 def add_parser(sub) -> None:
+    from encoder.tier.server import TierSettings
+
+    d = functools.partial(flags.default, TierSettings)
     p = sub.add_parser(
         "encoder",
         help="a pool of vision-encoder processes serving any number of `vlmserve serve --encoder-url` engines",
     )
     p.add_argument("--model", required=True, help="the checkpoint directory the engines serve")
-    p.add_argument("--port", type=int, default=None, help="TCP port for engines (tcp://HOST:PORT)")
+    p.add_argument("--port", type=int, default=d("port"), help="TCP port for engines (tcp://HOST:PORT)")
     p.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=d("host"),
         help="address to bind (default: this machine only; any other needs --auth-token-file)",
     )
     p.add_argument(
@@ -30,13 +34,17 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--socket",
-        default=None,
+        default=d("socket_path"),
         help="Unix socket for engines on this host, which get embeddings as shared memory (default with "
         "--port: encoder-PORT.sock in $XDG_RUNTIME_DIR/vlmserve, else in TMPDIR/vlmserve-UID; that "
         "directory is made 0700, and refused if it exists with another owner or looser permissions)",
     )
-    p.add_argument("--workers", type=int, default=1, help="encoder processes, each with its own vision tower")
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's own)")
+    p.add_argument(
+        "--workers", type=int, default=d("workers"), help="encoder processes, each with its own vision tower"
+    )
+    p.add_argument(
+        "--threads", type=int, default=d("threads"), help="torch threads per worker (default: torch's own)"
+    )
     p.add_argument(
         "--nice",
         type=int,
@@ -44,44 +52,50 @@ def add_parser(sub) -> None:
         help="lower the pool's CPU priority by this much (workers and preprocess processes inherit it), so "
         "language engines sharing the cores take them first",
     )
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="cpu")
+    flags.add_compute(p, TierSettings)
     p.add_argument(
-        "--preprocess-workers", type=int, default=None, help="decode/resize processes (default: 2)"
+        "--preprocess-workers",
+        type=int,
+        default=d("preprocess_workers"),
+        help="decode/resize processes (default: %(default)s)",
     )
-    p.add_argument("--embedding-cache-mb", type=int, default=256, help="the pool's own embedding cache")
+    flags.add_embedding_cache(
+        p,
+        TierSettings,
+        "cache_bytes",
+        "Redis for engines on other hosts (the L2 format, with a TTL)",
+        "the engines' --hash-algorithm (keys hashed otherwise are refused); xxh3 only for trusted clients",
+    )
     p.add_argument(
-        "--redis-url", default=None, help="Redis for engines on other hosts (the L2 format, with a TTL)"
+        "--redis-ttl-s",
+        type=int,
+        default=d("redis_ttl_s"),
+        help="how long a shipped embedding stays in Redis",
     )
-    p.add_argument("--redis-key-prefix", default="vlmserve:", help="the engines' --redis-key-prefix")
-    p.add_argument("--redis-ttl-s", type=int, default=600, help="how long a shipped embedding stays in Redis")
     p.add_argument(
-        "--redis-timeout-s", type=float, default=0.1, help="bound on each Redis call (connect, write)"
+        "--redis-timeout-s",
+        type=float,
+        default=d("redis_timeout_s"),
+        help="bound on each Redis call (connect, write)",
     )
-    p.add_argument("--max-batch-patches", type=int, default=16384)
-    p.add_argument(
-        "--hash-algorithm",
-        default=DEFAULT_HASH,
-        choices=HASH_ALGORITHMS,
-        help="the engines' --hash-algorithm (keys hashed otherwise are refused); xxh3 only for trusted clients",
-    )
+    p.add_argument("--max-batch-patches", type=int, default=d("max_batch_patches"))
     p.add_argument(
         "--batch-timeout-s",
         type=float,
-        default=120.0,
+        default=d("batch_timeout_s"),
         help="a worker that has not finished a batch by then is killed and replaced; the batch's images fail "
         "(a batch whose worker dies fails too: it is never run again on another worker)",
     )
     p.add_argument(
         "--max-connections",
         type=int,
-        default=64,
+        default=d("max_connections"),
         help="engine connections served at once; one more is told so and closed",
     )
     p.add_argument(
         "--send-timeout-s",
         type=float,
-        default=10.0,
+        default=d("send_timeout_s"),
         help="an engine that takes no frame for this long is dropped (it never holds up the others)",
     )
     p.add_argument(
@@ -127,7 +141,7 @@ def cmd_encoder(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             socket_path=socket_path,
-            preprocess_workers=2 if args.preprocess_workers is None else args.preprocess_workers,
+            preprocess_workers=args.preprocess_workers,
             cache_bytes=args.embedding_cache_mb << 20,
             redis_url=args.redis_url,
             redis_key_prefix=args.redis_key_prefix,
@@ -146,47 +160,50 @@ def cmd_encoder(args: argparse.Namespace) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from lm_engine.config import EngineConfig
+
+    e = functools.partial(flags.default, EngineConfig)
     g = p.add_argument_group("encoder tier")
     g.add_argument(
         "--encoder-url",
-        default=None,
+        default=e("encoder_url"),
         help="send embedding-cache misses to this `vlmserve encoder` pool (tcp://HOST:PORT or unix:///PATH) "
         "instead of encoding in this process",
     )
     g.add_argument(
         "--encoder-workers",
         type=int,
-        default=0,
+        default=e("encoder_workers"),
         help="start a local encoder pool of N processes with the server",
     )
     g.add_argument(
         "--encoder-threads",
         type=int,
-        default=0,
+        default=e("encoder_threads"),
         help="torch threads per worker of the --encoder-workers pool (default: torch's own)",
     )
     g.add_argument(
         "--encoder-nice",
         type=int,
-        default=10,
+        default=e("encoder_nice"),
         help="CPU priority the --encoder-workers pool gives up (0-19): the decode loop sharing the cores "
         "preempts image encoding, so streams keep their pace while large images encode",
     )
     g.add_argument(
         "--encoder-timeout",
         type=float,
-        default=30.0,
+        default=e("encoder_timeout_s"),
         help="seconds an image may wait for the pool (then fallback)",
     )
     g.add_argument(
         "--encoder-auth-token-file",
-        default=None,
+        default=e("encoder_auth_token_file"),
         help="the secret of a pool started with --auth-token-file (this server proves it holds it, and talks "
         "only to a pool that proves the same)",
     )
     g.add_argument(
         "--encoder-fallback",
-        default="local",
+        default=e("encoder_fallback"),
         choices=["local", "fail"],
         help="when the pool is unreachable or too slow: encode in this process, or answer 503 with Retry-After",
     )
