@@ -33,20 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_BF16DOT 1
-#else
-#define HAVE_BF16DOT 0
-#endif
-
-#if HAVE_BF16DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "isa.h"
 
 #if defined(__AVX512F__)
 #define VW 16

@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "isa.h"
+
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 256
@@ -138,13 +140,6 @@ static void widen(float *dst, const uint16_t *src, int64_t n, int64_t D, int64_t
             *(v8 *)(dst + t * D + d) = (v8)(__builtin_convertvector(*(const h8 *)(src + t * stride + d), u8v) << 16);
 }
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* scratch: 2 · MAX_BLOCK · MAX_HEAD_DIM floats for a bf16 block's keys and values, and the group's q. */
 static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc, float *scratch) {
@@ -214,7 +209,7 @@ static void run_unit(const job_t *j, int64_t unit, float *scores, float *acc, fl
         const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
         if (j->bf16) {
             uint16_t *og = (uint16_t *)j->out + q0 + g * D;
-            for (int64_t d = 0; d < D; d++) og[d] = to_bf16(acc[g * D + d] * inv);
+            for (int64_t d = 0; d < D; d++) og[d] = f32_to_bf16(acc[g * D + d] * inv);
         } else {
             float *og = (float *)j->out + q0 + g * D;
             for (int64_t d = 0; d < D; d++) og[d] = acc[g * D + d] * inv;

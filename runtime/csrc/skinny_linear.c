@@ -24,39 +24,12 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_BF16DOT 1
-#else
-#define HAVE_BF16DOT 0
-#endif
-
-#if HAVE_BF16DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <pthread.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "isa.h"
 
 #define BLOCK 32 /* outputs per block of the layout oneDNN packs on AMX (the AMX path reads only that one) */
 #define MAX_ROWS 16
 
 #if HAVE_AMX
-static int amx_state; /* 1: the kernel granted this process the tile data state; -1: refused */
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-
-static void amx_request(void) {
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux enables the 8 KB tile state per process on request */
-    amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
 
 /* Tiles 0-3: accumulators [m][16 outputs]; 4: x's 32 columns [m][32]; 5-7: the weight's [16 pairs][16][2]. */
 static void amx_config(int64_t m) {
@@ -71,14 +44,7 @@ static void amx_config(int64_t m) {
 }
 #endif
 
-int vlm_skinny_amx_ready(void) {
-#if HAVE_AMX
-    pthread_once(&amx_once, amx_request);
-    return amx_state == 1;
-#else
-    return 0;
-#endif
-}
+int vlm_skinny_amx_ready(void) { return amx_granted(); }
 
 int vlm_skinny_bf16dot(void) { return HAVE_BF16DOT; }
 

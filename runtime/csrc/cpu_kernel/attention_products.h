@@ -237,25 +237,11 @@ static void attend_short_dot(const job_t *j, int64_t s) {
  * Tiles: 0-3 accumulators (four 16-key blocks of Sᵀ, or four 16-dim blocks of Oᵀ); for Sᵀ 4-5 q's two halves
  * and 6-7 k rows at head dim 64, else 4 q and 5-7 k rows; for Oᵀ 4-5 vᵀ rows (keys 0-31, 32-63) and 6-7 P
  * (the same keys). Every tile 16 rows × 64 bytes. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-static int amx_state; /* 1: the kernel granted this process the tile data state; -1: refused */
-static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
-
 /* GCC's _tile_loadd is an asm statement that does not tell the compiler it reads memory (its _tile_stored does
  * declare the write), so stores of what a tile load is about to read may legally be moved past it: the packed q,
  * k and v of a window unit, P, the accumulators rescaled in memory. The functions that tile-load what C code
  * wrote begin with this barrier; it orders the compiler only and costs nothing at run time. */
 static inline void memory_barrier(void) { __asm__ volatile("" ::: "memory"); }
-
-static void amx_request(void) {
-    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux enables the 8 KB tile state per process on request */
-    amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-}
 
 /* Every unit loads the configuration and releases the tiles at its end. NOTE: configuring once per thread and
  * never releasing was tried and faulted (illegal instruction) in a loop of calls; the cause was not pinned down.
@@ -442,14 +428,7 @@ static void attend_short_amx(const job_t *j, int64_t s) {
 }
 #endif
 
-int vlm_amx_ready(void) {
-#if HAVE_AMX
-    pthread_once(&amx_once, amx_request);
-    return amx_state == 1;
-#else
-    return 0;
-#endif
-}
+int vlm_amx_ready(void) { return amx_granted(); }
 
 #if !ROWS_IN_LANES /* the float32 path of AVX-512 builds and builds without AVX2 */
 /* Rows per register pass of the float32 products: the accumulators (RP rows × 4 vectors), four vectors of k or

@@ -2,20 +2,7 @@
 
 /* ---------------------------------------------------------------- scalars and vectors */
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+/* bf16_to_f32 and f32_to_bf16: isa.h */
 
 /* NOTE: a shuffle of lane 0 compiles to one vbroadcastss; (vf){} + x cost an add per broadcast (0 + -0 is
  * +0, so the add stays) and a per-lane loop became 16 masked broadcasts. */
