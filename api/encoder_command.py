@@ -132,26 +132,11 @@ def cmd_encoder(args: argparse.Namespace) -> int:
     if args.nice:
         os.nice(args.nice)  # NOTE: before serve_forever starts the workers, which inherit it
     serve_forever(
-        TierSettings(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            workers=args.workers,
-            threads=args.threads,
-            host=args.host,
-            port=args.port,
+        flags.settings_from(
+            TierSettings,
+            args,
             socket_path=socket_path,
-            preprocess_workers=args.preprocess_workers,
             cache_bytes=args.embedding_cache_mb << 20,
-            redis_url=args.redis_url,
-            redis_key_prefix=args.redis_key_prefix,
-            redis_ttl_s=args.redis_ttl_s,
-            redis_timeout_s=args.redis_timeout_s,
-            max_batch_patches=args.max_batch_patches,
-            hash_algorithm=args.hash_algorithm,
-            batch_timeout_s=args.batch_timeout_s,
-            max_connections=args.max_connections,
-            send_timeout_s=args.send_timeout_s,
             auth_token=token,
         ),
         exit_with_parent=args.exit_with_parent,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.api.conftest import JPEG, PNG, start_server
 from tests.api.test_chat import CONVERSATIONS, greedy, image_url_part
-from tests.encoder.tier_support import start_pool
+from tests.encoder.tier_support import running_pool
 from tests.support import data_url, make_image, user
 
 # NOTE: five server processes and two encoder pools start here; on a crowded 2-core machine that alone can
@@ -29,9 +29,7 @@ SCENARIOS["png-then-jpeg"] = user(
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, tiny_ckpt):
-    p = start_pool(tmp_path_factory.mktemp("pool"), tiny_ckpt, "--workers", "2")
-    yield p
-    p.stop()
+    yield from running_pool(tmp_path_factory, tiny_ckpt, "pool", "--workers", "2")
 
 
 @pytest.fixture(scope="module")

@@ -76,3 +76,57 @@ def test_a_changed_settings_default_moves_its_flag(monkeypatch):
     field = next(f for f in dataclasses.fields(TierSettings) if f.name == "batch_timeout_s")
     monkeypatch.setattr(field, "default", 33.0)
     assert _parse(["encoder", "--model", "m", "--port", "1"])["batch_timeout_s"] == 33.0
+
+
+def test_the_encoder_command_builds_its_settings_from_every_flag(monkeypatch):
+    """``vlmserve encoder``'s flags reach TierSettings under their own names (a flag renamed on one side only
+    would be silently dropped): a non-default value for each arrives."""
+    import logging
+
+    import api.encoder_command as command
+    import encoder.tier.server as server
+    import runtime.memory
+
+    got = {}
+    monkeypatch.setattr(server, "serve_forever", lambda settings, exit_with_parent: got.update(s=settings))
+    monkeypatch.setattr(runtime.memory, "return_freed_buffers", lambda: None)  # leave this process's malloc
+    monkeypatch.setattr(logging.getLogger(), "level", logging.getLogger().level)  # and its log level
+    argv = [
+        "encoder",
+        "--model",
+        "m",
+        "--port",
+        "5",
+        "--socket",
+        "/tmp/x.sock",
+        "--workers",
+        "3",
+        "--threads",
+        "2",
+    ]
+    argv += [
+        "--dtype",
+        "float32",
+        "--preprocess-workers",
+        "5",
+        "--embedding-cache-mb",
+        "7",
+        "--redis-ttl-s",
+        "9",
+    ]
+    argv += ["--redis-timeout-s", "0.5", "--max-batch-patches", "99", "--batch-timeout-s", "11"]
+    argv += ["--max-connections", "13", "--send-timeout-s", "17", "--redis-key-prefix", "p:"]
+    args = build_parser().parse_args(argv)
+    assert command.cmd_encoder(args) == 0
+    s = got["s"]
+    assert (s.model, s.port, s.socket_path, s.workers, s.threads, s.dtype) == (
+        "m",
+        5,
+        "/tmp/x.sock",
+        3,
+        2,
+        "float32",
+    )
+    assert (s.preprocess_workers, s.cache_bytes, s.redis_ttl_s, s.redis_timeout_s) == (5, 7 << 20, 9, 0.5)
+    assert (s.max_batch_patches, s.batch_timeout_s, s.max_connections, s.send_timeout_s) == (99, 11, 13, 17)
+    assert s.redis_key_prefix == "p:" and s.auth_token is None

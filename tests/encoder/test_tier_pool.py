@@ -21,23 +21,19 @@ import torch
 from encoder.tier import wire
 from lm_engine import LLM
 from preprocess import preprocess
-from tests.encoder.tier_support import RawEngine, start_pool
+from tests.encoder.tier_support import RawEngine, running_pool
 from tests.support import make_image
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory, tiny_ckpt):
-    p = start_pool(tmp_path_factory.mktemp("pool"), tiny_ckpt, "--workers", "2")
-    yield p
-    p.stop()
+    yield from running_pool(tmp_path_factory, tiny_ckpt, "pool", "--workers", "2")
 
 
 @pytest.fixture(scope="module")
 def lone_pool(tmp_path_factory, tiny_ckpt):
     """One worker (one encoder thread): while it holds a batch, every other key waits in the queue."""
-    p = start_pool(tmp_path_factory.mktemp("lone_pool"), tiny_ckpt, "--workers", "1")
-    yield p
-    p.stop()
+    yield from running_pool(tmp_path_factory, tiny_ckpt, "lone_pool", "--workers", "1")
 
 
 TIMEOUT_S = 10  # --batch-timeout-s of ``timeout_pool``: far above a tiny batch, however busy the machine
@@ -45,16 +41,9 @@ TIMEOUT_S = 10  # --batch-timeout-s of ``timeout_pool``: far above a tiny batch,
 
 @pytest.fixture(scope="module")
 def timeout_pool(tmp_path_factory, tiny_ckpt):
-    p = start_pool(
-        tmp_path_factory.mktemp("timeout_pool"),
-        tiny_ckpt,
-        "--workers",
-        "1",
-        "--batch-timeout-s",
-        str(TIMEOUT_S),
+    yield from running_pool(
+        tmp_path_factory, tiny_ckpt, "timeout_pool", "--workers", "1", "--batch-timeout-s", str(TIMEOUT_S)
     )
-    yield p
-    p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,26 @@ class Pool:
             self.proc.kill()
 
 
+def running_pool(tmp_path_factory, ckpt: Path, name: str, *extra: str):
+    """A module fixture's body: a pool started in a temp directory of its own, stopped after the module."""
+    p = start_pool(tmp_path_factory.mktemp(name), ckpt, *extra)
+    yield p
+    p.stop()
+
+
+def assert_fell_back(resp, fallback: str, want: str | None = None) -> None:
+    """A request whose pool failed it: with ``fail`` a 503 saying so (with Retry-After), with ``local`` a 200
+    answered in-process (``want``: its text, where the test knows it)."""
+    if fallback == "fail":
+        assert resp.status_code == 503, resp.text
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert resp.json()["error"]["code"] == "encoder_unavailable"
+    else:
+        assert resp.status_code == 200, resp.text
+        if want is not None:
+            assert resp.json()["choices"][0]["message"]["content"] == want
+
+
 def start_pool(
     tmp: Path, ckpt: Path, *extra: str, socket_path: bool = True, token: bytes | None = None, env=None
 ) -> Pool:
