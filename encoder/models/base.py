@@ -57,9 +57,14 @@ class VisionTower(nn.Module):
     # measured where bf16 runs natively. 0: everything in one pass.
     rows_per_pass = 4096
 
-    def __init__(self, num_heads: int, head_dim: int, attention: str = "auto") -> None:
+    def __init__(self, cfg, attention: str = "auto") -> None:
+        """``cfg``: the family's vision config (heads, head dim, merge size and the merger's output width are
+        read from it); ``attention``: what :meth:`select_attention` chooses from."""
         super().__init__()
-        self._attention = (attention, num_heads, head_dim)
+        self.cfg = cfg
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.out_dim = cfg.out_hidden
+        self._attention = (attention, cfg.num_heads, cfg.head_dim)
         self.attend: VarlenAttention | None = None
 
     @torch.no_grad()

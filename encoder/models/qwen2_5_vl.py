@@ -140,10 +140,7 @@ class Qwen25VisionTower(VisionTower):
     """Patches of several images + their grids → merged rows, in the images' own order."""
 
     def __init__(self, cfg: Qwen25VisionConfig, attention: str = "auto") -> None:
-        super().__init__(cfg.num_heads, cfg.head_dim, attention)
-        self.cfg = cfg
-        self.spatial_merge_size = cfg.spatial_merge_size
-        self.out_dim = cfg.out_hidden
+        super().__init__(cfg, attention)
         self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
         self.blocks = nn.ModuleList(
             Block(

@@ -181,10 +181,7 @@ class Qwen2VisionTower(VisionTower):
     """Patches of several images ([Σ patches, C·T·P·P]) + their grids → merged rows ([Σ patches / merge², out])."""
 
     def __init__(self, cfg: VisionConfig, attention: str = "auto") -> None:
-        super().__init__(cfg.num_heads, cfg.head_dim, attention)
-        self.cfg = cfg
-        self.spatial_merge_size = cfg.spatial_merge_size
-        self.out_dim = cfg.out_hidden
+        super().__init__(cfg, attention)
         self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim)
         self.blocks = nn.ModuleList(
             Block(cfg.embed_dim, cfg.num_heads, Mlp(cfg.embed_dim, cfg.mlp_hidden, cfg.hidden_act))

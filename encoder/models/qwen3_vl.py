@@ -119,10 +119,7 @@ class Qwen3VisionTower(VisionTower):
     concatenated ([Σ patches / merge², (1 + levels) · out])."""
 
     def __init__(self, cfg: Qwen3VisionConfig, attention: str = "auto") -> None:
-        super().__init__(cfg.num_heads, cfg.head_dim, attention)
-        self.cfg = cfg
-        self.spatial_merge_size = cfg.spatial_merge_size
-        self.out_dim = cfg.out_hidden
+        super().__init__(cfg, attention)
         self.levels = len(cfg.deepstack_indexes)
         self.side = int(cfg.num_position_embeddings**0.5)
         self.patch_embed = PatchEmbed(cfg.patch_dim, cfg.embed_dim, bias=True)
