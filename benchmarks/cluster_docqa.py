@@ -24,6 +24,9 @@ replica; and the ratio of the prefix hit rates (target >= 1.5). Writes benchmark
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import json
@@ -41,13 +44,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.docqa import OUT_DIR, QUESTIONS, write_pages
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from benchmarks.docqa import OUT_DIR, QUESTIONS, write_pages  # noqa: E402
 
 MODES = ("image", "round-robin")
 

@@ -24,6 +24,9 @@ results JSON.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import io
 import json
@@ -300,7 +303,6 @@ def main() -> int:
         ap.error(f"unknown modes {sorted(unknown)}")
 
     os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
     ckpt = checkpoint()
     work = OUT_DIR / f"docqa-{args.pages}x{args.questions}"
     shutil.rmtree(work, ignore_errors=True)

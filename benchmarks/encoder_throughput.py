@@ -23,12 +23,14 @@ rate. Pixels are random (the work does not depend on them).
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +38,6 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks.cpu_peak
 OUT_DIR = Path(__file__).parent / "out"
 RESULTS = Path(__file__).parent / "results" / "encoder_throughput"
 SIZES = [(224, 224), (448, 336), (640, 480), (336, 896), (800, 600), (1024, 768), (1280, 720), (1600, 1200),

@@ -20,6 +20,9 @@ and header probe included) to the step that samples the first token, both on tim
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import io
 import os
@@ -28,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from preprocess_throughput import wait_idle
+from benchmarks.preprocess_throughput import wait_idle
 
 OUT_DIR = Path(__file__).parent / "out"
 FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")

@@ -17,6 +17,9 @@ largest ratio vlmserve could show against it on this machine. Writes ``floor.jso
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import json
@@ -24,11 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import load
 
-import load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

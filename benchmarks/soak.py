@@ -27,6 +27,9 @@ stops at ``-n`` requests or ``--max-seconds``, whichever comes first, and the se
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import base64
@@ -44,11 +47,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import harness, load
 
-from benchmarks import load, serve_compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results" / "soak"
 _JSON = {"Content-Type": "application/json"}
@@ -204,7 +205,7 @@ def sample_group(root: int) -> list[ProcSample]:
 async def held_by_design(client: httpx.AsyncClient) -> dict[str, float]:
     """The /metrics gauges of HELD_METRICS (absent ones are left out); bytes as MB."""
     with contextlib.suppress(httpx.HTTPError):
-        metrics = serve_compare.parse_prometheus((await client.get("/metrics")).text)
+        metrics = harness.parse_prometheus((await client.get("/metrics")).text)
         out = {}
         for name, column in HELD_METRICS.items():
             if name in metrics:
@@ -292,7 +293,7 @@ async def _client_loop(client, run: Run, args, root: int, deadline: float) -> No
 
 
 async def _evictions(client: httpx.AsyncClient) -> float:
-    metrics = serve_compare.parse_prometheus((await client.get("/metrics")).text)
+    metrics = harness.parse_prometheus((await client.get("/metrics")).text)
     return metrics.get('vlmserve_embedding_cache_evictions_total{tier="memory"}', 0.0)
 
 
@@ -510,10 +511,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    model = serve_compare.ensure_checkpoint(args.preset, 0, args.model)
-    port = serve_compare.free_port()
+    model = harness.ensure_checkpoint(args.preset, 0, args.model)
+    port = harness.free_port()
     env = dict(kv.split("=", 1) for kv in args.env)
-    argv = serve_compare.vlmserve_here_argv(model, port)
+    argv = harness.vlmserve_here_argv(model, port)
     argv += ["--served-model-name", "soak", *args.server_args]
     title = f"soak: {args.mix}, {args.concurrency} clients, max_tokens {args.max_tokens}, {model.name} {' '.join(args.env)} {' '.join(args.server_args)}"
     log = ROOT / "benchmarks" / "out" / f"soak-{args.mix}-{args.label or args.preset}.log"
@@ -522,7 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
-    server = serve_compare.ServerProcess("vlmserve", argv, port, log, env=env)
+    server = harness.ServerProcess("vlmserve", argv, port, log, env=env)
     try:
         with server.start():
             run = asyncio.run(soak(server.base_url, server.pgid, args))

@@ -16,12 +16,14 @@ thread (waiting for the masks after the forward pass, applying them, advancing t
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from importlib.metadata import version
@@ -29,8 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_throughput import ensure_checkpoint, machine_line
 from lm_engine import structured

@@ -15,19 +15,17 @@ Hooks cost a little; the untimed pass's total is printed beside the hooked one.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import encoder_throughput as et  # noqa: E402
+from benchmarks import encoder_throughput as et
 
 WINDOW_ROWS = 64  # a segment this short or shorter counts as a window
 
