@@ -34,6 +34,7 @@ from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
     ServerProcess,
+    bulk_dir,
     free_port,
     machine,
     results_header,
@@ -128,8 +129,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     body = {**results_header("benchmarks/demo_tool_eval.py", args, path, machine()), "summary": summary}
     (out / "results.json").write_text(json.dumps(body, indent=1) + "\n")
-    (out / "records.json").write_text(json.dumps(results) + "\n")
-    print(f"wrote {out}/results.json, records.json", file=sys.stderr)
+    bulk = bulk_dir(out)
+    bulk.mkdir(parents=True, exist_ok=True)
+    (bulk / "records.json").write_text(json.dumps(results) + "\n")
+    print(f"wrote {out}/results.json, {bulk}/records.json", file=sys.stderr)
     return 0
 
 

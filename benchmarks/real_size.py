@@ -1158,6 +1158,17 @@ def summary_table(result: dict) -> str:
 # ---------------------------------------------------------------- main
 
 
+def split_events(result: dict) -> dict:
+    """Pops each decode row's per-stream token timings out of ``result`` and returns them: they are most of
+    its bytes, so they go beside the logs (benchmarks/out/) and the summary stays small."""
+    out: dict = {}
+    for server in ("vlmserve", "llamacpp"):
+        for streams, row in ((result.get(server) or {}).get("decode") or {}).items():
+            if isinstance(row, dict) and "events" in row:
+                out.setdefault(server, {})[streams] = row.pop("events")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model.resolve()
@@ -1208,6 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ms_best": floor_ms(weights["floor_bytes"], max(rates)),  # the faster read: the stricter floor
         }
     result["ratios"] = ratios(result)
+    events = split_events(result)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    (args.log_dir / f"{args.label}-{stamp}-events.json").write_text(json.dumps(events) + "\n")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / f"{args.label}-{stamp}.json"
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/serve_floor.py        # reads benchmarks/results/serve_compare/ (~8 min)
 
-Runs the trace of the latest ``serve_compare.py`` run (its ``trace.json``, same images, same prompts,
+Runs the trace of the latest ``serve_compare.py`` run (rebuilt from the spec in its ``results.json``, same images, same prompts,
 full-resolution visual budget as ``--visual-budget fixed``) through ``LLM.chat`` in one process, all
 requests at once, twice:
 
@@ -42,7 +42,12 @@ def main() -> int:
     hf = results["runs"].get("transformers serve")
     hf_rps = hf["summary"]["request_throughput"] if hf else None
     vl_rps = results["runs"]["vlmserve"]["summary"]["request_throughput"]
-    trace = load.load_trace(args.results / "trace.json")
+    trace = load.make_trace(load.TraceSpec(**results["trace"]["spec"]))
+    if trace.digest() != results["trace"]["digest"]:
+        print(
+            "serve_floor: the trace rebuilt from results.json's spec differs from its digest", file=sys.stderr
+        )
+        return 1
     images = load.ImageStore(trace, ROOT / "benchmarks/out/load-images")
     images.prepare()
     if images.mismatched:

@@ -6,8 +6,8 @@ Starts ``vlmserve serve`` on 127.0.0.1 (a free port; the generated preset checkp
 process of the server's process group (the server, the preprocess forkserver and its workers): RSS and PSS
 from ``/proc/PID/smaps_rollup``, open file descriptors; and from ``/metrics`` what the server holds by
 design (KV pool, embedding cache, prefix-cache index). Prints the table and, over the last half of the run,
-the slope of the total PSS (MB per 1,000 requests, least squares) and its growth (%); writes a CSV and a
-PNG under ``benchmarks/results/soak/``.
+the slope of the total PSS (MB per 1,000 requests, least squares) and its growth (%); writes the samples
+as a CSV under ``benchmarks/results/soak/`` and their plot (PNG) under ``benchmarks/out/soak/``.
 
     .venv/bin/python benchmarks/soak.py --mix distinct-random          # distinct JPEGs, 64-700 px a side
     .venv/bin/python benchmarks/soak.py --mix text -n 1000 --max-seconds 900
@@ -463,11 +463,13 @@ def report(run: Run, args: argparse.Namespace, title: str) -> int:
     print("\n".join(mapping_growth(run.maps_before, run.maps_after)) or "  (none grew)")
     if run.done < args.n:
         print(f"NOTE: stopped by --max-seconds after {run.done} of {args.n} requests")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{args.mix}-{args.label or args.preset}"
-    write_csv(run.samples, stem.with_suffix(".csv"))
-    plotted = plot(run.samples, stem.with_suffix(".png"), title)
-    print(f"wrote {stem}.csv" + (f" and {stem}.png" if plotted else ""))
+    name = f"{args.mix}-{args.label or args.preset}"
+    csv_path, png_path = RESULTS / f"{name}.csv", harness.bulk_dir(RESULTS) / f"{name}.png"
+    for d in (csv_path.parent, png_path.parent):
+        d.mkdir(parents=True, exist_ok=True)
+    write_csv(run.samples, csv_path)
+    plotted = plot(run.samples, png_path, title)
+    print(f"wrote {csv_path}" + (f" and {png_path}" if plotted else ""))
     bad = sum(v for k, v in run.statuses.items() if k != "200")
     return 1 if bad > run.done // 100 else 0
 
