@@ -35,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,26 +47,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.docqa import OUT_DIR, QUESTIONS, write_pages
+from benchmarks.harness import ensure_checkpoint, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MODES = ("image", "round-robin")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def checkpoint(preset: str) -> Path:
-    path = OUT_DIR / f"{preset}-seed0"
-    if not (path / "config.json").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
-
-        print(f"generating the {preset} checkpoint in {path} (once)...", flush=True)
-        make_checkpoint(path, preset=preset, seed=0)
-    return path
 
 
 def blocks_per_page(ckpt: Path, pages: list[Path], block_size: int, text_tokens: int = 64) -> int:
@@ -243,7 +227,7 @@ def main() -> int:
     if args.quick:
         args.pages, args.questions, args.preset, args.cache_pages = 6, 3, "tiny", 4
     os.chdir(ROOT)
-    ckpt = checkpoint(args.preset)
+    ckpt = ensure_checkpoint(args.preset)
     work = OUT_DIR / f"cluster-docqa-{args.pages}x{args.questions}"
     pages = write_pages(work / "pages", args.pages)
     bpp = blocks_per_page(ckpt, pages, block_size=16)

@@ -38,21 +38,26 @@ VENV_BIN = Path(sys.executable).parent
 # ---------------------------------------------------------------- checkpoint
 
 
-def ensure_checkpoint(preset: str, seed: int = 0, model: str | None = None) -> Path:
-    """``--model`` as given, else the generated preset under benchmarks/out/ (made once; a marker file says
-    the generation finished, so a run interrupted while writing is redone)."""
+def ensure_checkpoint(
+    preset: str = "small", seed: int = 0, model: str | Path | None = None, family: str = "qwen2_vl"
+) -> Path:
+    """``--model`` as given, else the generated preset of ``family`` under benchmarks/out/ (made once; the
+    weights and tokenizer files say the generation finished, so a run interrupted while writing is redone)."""
     if model:
         path = Path(model).resolve()
         if not (path / "config.json").is_file():
             raise SystemExit(f"--model {path}: no config.json there")
         return path
-    path = OUT_DIR / f"{preset}-seed{seed}"
+    path = OUT_DIR / (f"{preset}-seed{seed}" if family == "qwen2_vl" else f"{preset}-{family}-seed{seed}")
     if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
+        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 
         t = time.perf_counter()
-        print(f"generating the {preset} preset into {path} (once)", file=sys.stderr, flush=True)
-        make_checkpoint(path, preset=preset, seed=seed)
+        print(f"generating the {preset} {family} preset into {path} (once)", file=sys.stderr, flush=True)
+        if family == "qwen3_vl":
+            qwen3_vl_make.make_checkpoint(path, preset=preset, seed=seed)
+        else:
+            qwen2_vl_make.make_checkpoint(path, preset=preset, seed=seed, family=family)
         print(f"  done in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     return path.resolve()
 

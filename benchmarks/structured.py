@@ -32,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.engine_throughput import ensure_checkpoint, machine_line
+from benchmarks.engine_throughput import machine_line
+from benchmarks.harness import ensure_checkpoint
 from lm_engine import structured
 from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12, help="decode steps timed per configuration and round")
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
-    model = ensure_checkpoint(args.model)
+    model = ensure_checkpoint("small", 0, args.model)
     engine = LLMEngine(
         EngineConfig(model=str(model), num_kv_blocks=1024, max_num_seqs=32, max_model_len=1024)
     )

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import encoder_throughput as et
+from benchmarks.harness import ensure_checkpoint
 
 WINDOW_ROWS = 64  # a segment this short or shorter counts as a window
 
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl"])
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    model_dir = et.ensure_checkpoint(args.model, args.family)
+    model_dir = ensure_checkpoint("small", 0, args.model, family=args.family)
     _, tower = et.build_ours(model_dir, et.compute_dtype(model_dir, args.dtype), "auto")
     dtype = tower.dtype
     grids = et.image_grids(model_dir, et.SIZES)
