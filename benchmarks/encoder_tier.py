@@ -19,7 +19,7 @@ if not __package__:  # run by path: the repository root onto sys.path, once (ben
     import _path  # noqa: F401
 
 import argparse
-import asyncio
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -28,7 +28,6 @@ from benchmarks import load
 from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
-    CpuMeter,
     ServerProcess,
     contention_note,
     ensure_checkpoint,
@@ -37,6 +36,7 @@ from benchmarks.harness import (
     machine,
     prepare_images,
     ratio,
+    run_on,
     vlmserve_here_argv,
 )
 
@@ -89,11 +89,10 @@ def run(args: argparse.Namespace) -> int:
     for name, extra in MODES.items():
         port = free_port()
         argv = vlmserve_here_argv(model, port, ["--visual-budget", "fixed", *extra, *args.vlmserve_arg])
-        with ServerProcess(name, argv, port, OUT_DIR / "encoder_tier" / f"{name}.log") as server:
-            server.start(900)
-            with CpuMeter(server.pgid) as meter:
-                res = asyncio.run(one_run(server.base_url, trace, images, args.rate))
-        out["runs"][name] = {"argv": argv, "figures": figures(res, trace), "cpu": meter.result}
+        server = ServerProcess(name, argv, port, OUT_DIR / "encoder_tier" / f"{name}.log")
+        go = functools.partial(one_run, trace=trace, images=images, rate=args.rate)
+        res, cpu, _ = run_on(server, 900, go, settle=False)
+        out["runs"][name] = {"argv": argv, "figures": figures(res, trace), "cpu": cpu}
         print(name, json.dumps(out["runs"][name]["figures"]), flush=True)
     base, tier = (out["runs"][m]["figures"] for m in MODES)
     ratios = {

@@ -22,9 +22,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "benchmarks" / "out"  # git-ignored: checkpoints, images, logs, records, traces, plots
 RESULTS_DIR = ROOT / "benchmarks" / "results"  # in the tree: small summaries only
 VENV_BIN = Path(sys.executable).parent
+T = TypeVar("T")
 
 # ---------------------------------------------------------------- checkpoint
 
@@ -287,6 +289,23 @@ class ServerProcess:
         self.stop()
 
 
+def run_on(
+    server: ServerProcess,
+    startup_timeout_s: float,
+    go: Callable[[str], Awaitable[T]],
+    settle: bool = True,
+) -> tuple[T, dict, dict | None]:
+    """Starts ``server``, runs ``go(base_url)`` under a ``CpuMeter`` and, with ``settle``, reads ``/metrics``
+    once the server is idle (``settled_metrics``); the server is stopped however this ends. Returns (what
+    ``go`` returned, the meter's figures, the settled metrics or None)."""
+    with server:
+        server.start(startup_timeout_s)
+        with CpuMeter(server.pgid) as meter:
+            out = asyncio.run(go(server.base_url))
+        after = asyncio.run(settled_metrics(server.base_url)) if settle else None
+    return out, meter.result, after
+
+
 def vlmserve_argv(model: Path | None, port: int, extra: Sequence[str] = ()) -> list[str]:
     """The venv's ``vlmserve serve`` on loopback; ``model`` None: the embedded demo model (no ``--model``)."""
     return [
@@ -435,6 +454,13 @@ def contention_note(meters: dict[str, dict]) -> str:
 # ---------------------------------------------------------------- the trace and its sizing
 
 
+def arg_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A script's parser: its file name as ``prog``, its docstring's first paragraph as the description."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def add_common_args(p: argparse.ArgumentParser, *, requests: str, max_tokens: str) -> None:
     """The checkpoint, trace and timeout options of the scripts that drive ``vlmserve serve`` with a trace;
     ``requests`` and ``max_tokens`` say their defaults (each script sizes them, ``--quick`` smaller)."""
@@ -494,6 +520,14 @@ def results_header(tool: str, args: argparse.Namespace, model: Path, mach: dict)
         "machine": mach,
         "config": vars(args) | {"checkpoint": str(model)},
     }
+
+
+def checkpoint_label(args: argparse.Namespace, model: Path) -> str:
+    """How results name the checkpoint: ``--model``'s path, else the preset (the tiny one marked a smoke run)."""
+    if args.model:
+        return str(model)
+    smoke = " (SMOKE RUN: the tiny preset, not the benchmark's small one)" if args.preset == "tiny" else ""
+    return f"{args.preset} preset{smoke}"
 
 
 def machine_line(mach: dict) -> str:

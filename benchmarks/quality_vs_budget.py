@@ -52,6 +52,7 @@ from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
     ServerProcess,
+    arg_parser,
     bulk_dir,
     contention_note,
     fmt,
@@ -628,11 +629,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="quality_vs_budget.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = arg_parser("quality_vs_budget.py", __doc__)
     p.add_argument(
         "--model", help="checkpoint directory (default: what `vlmserve serve` loads without --model)"
     )

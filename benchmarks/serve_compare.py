@@ -24,7 +24,6 @@ if not __package__:  # run by path: the repository root onto sys.path, once (ben
     import _path  # noqa: F401
 
 import argparse
-import asyncio
 import functools
 import sys
 from collections.abc import Sequence
@@ -35,12 +34,13 @@ from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
     VENV_BIN,
-    CpuMeter,
     NamedMode,
     ServerProcess,
     add_common_args,
+    arg_parser,
     build_trace,
     bulk_dir,
+    checkpoint_label,
     contention_note,
     ensure_checkpoint,
     fmt,
@@ -52,8 +52,8 @@ from benchmarks.harness import (
     refusals,
     results_header,
     run_main,
+    run_on,
     scrape,
-    settled_metrics,
     summarize_run,
     trace_entry,
     vlmserve_argv,
@@ -202,22 +202,17 @@ def run_compare(args: argparse.Namespace) -> int:
         port = free_port()
         argv = make_argv(model, port, extra)
         server = ServerProcess(name, argv, port, log_dir / f"{name.split()[0]}.log", env=env)
-        with server:
-            server.start(args.startup_timeout_s)
-            with CpuMeter(server.pgid) as meter:
-                res, s, served = asyncio.run(
-                    drive(
-                        server.base_url,
-                        trace,
-                        images,
-                        mode,
-                        dialect=dialect,
-                        warmup=args.warmup,
-                        slo_ttft_ms=args.slo_ttft_ms,
-                        slo_tpot_ms=args.slo_tpot_ms,
-                    )
-                )
-            after = asyncio.run(settled_metrics(server.base_url)) if name == "vlmserve" else None
+        go = functools.partial(
+            drive,
+            trace=trace,
+            images=images,
+            mode=mode,
+            dialect=dialect,
+            warmup=args.warmup,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+        )
+        (res, s, served), cpu, after = run_on(server, args.startup_timeout_s, go, settle=name == "vlmserve")
         print(load.format_summary(s, f"{name} ({mode.label()})"), flush=True)
         if after is not None:
             print(
@@ -226,7 +221,7 @@ def run_compare(args: argparse.Namespace) -> int:
                 f"{'no leak' if after['no_leak'] else 'LEAK'}",
                 flush=True,
             )
-        print(f"  {contention_note({name: meter.result})}", flush=True)
+        print(f"  {contention_note({name: cpu})}", flush=True)
         results.append(load.RunResult(NamedMode(name, res.mode), res.records, res.planned, res.duration_s))
         summaries.append(s)
         runs[name] = {
@@ -237,7 +232,7 @@ def run_compare(args: argparse.Namespace) -> int:
             "startup_s": server.startup_s,
             "summary": s,
             "metrics_after": after,
-            "cpu": meter.result,
+            "cpu": cpu,
             "records": [r.to_json() for r in res.records],
         }
 
@@ -255,9 +250,7 @@ def run_compare(args: argparse.Namespace) -> int:
         }
     table = compare_table([(k, v["summary"]) for k, v in runs.items()], ratios)
     meters = {k: v["cpu"] for k, v in runs.items()}
-    label = f"{args.preset} preset" if not args.model else str(model)
-    if args.preset == "tiny" and not args.model:
-        label += " (SMOKE RUN: the tiny preset, not the benchmark's small one)"
+    label = checkpoint_label(args, model)
     header = (
         f"checkpoint: {label}; {len(trace.requests)} requests, {mode.label()}, max_tokens {args.max_tokens} "
         f"(generated in full), vlmserve --visual-budget {args.visual_budget or 'fixed'}, resolutions {args.resolutions}, formats {args.formats}, seed {args.seed}, "
@@ -328,22 +321,13 @@ def run_overload(args: argparse.Namespace) -> int:
     port = free_port()
     argv = vlmserve_argv(model, port, extra)
     server = ServerProcess("vlmserve", argv, port, OUT_DIR / "serve_compare" / "overload.log")
-    with server:
-        server.start(args.startup_timeout_s)
-        before = asyncio.run(scrape(server.base_url))
-        with CpuMeter(server.pgid) as meter:
-            res, s, _ = asyncio.run(
-                drive(
-                    server.base_url,
-                    trace,
-                    images,
-                    mode,
-                    warmup=args.warmup,
-                    slo_ttft_ms=args.slo_ttft_ms,
-                    slo_tpot_ms=args.slo_tpot_ms,
-                )
-            )
-        after = asyncio.run(settled_metrics(server.base_url))
+
+    async def go(base_url: str) -> tuple[dict, tuple]:
+        before = await scrape(base_url)
+        kw = {"warmup": args.warmup, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+        return before, await drive(base_url, trace, images, mode, **kw)
+
+    (before, (res, s, _)), cpu, after = run_on(server, args.startup_timeout_s, go)
     print(load.format_summary(s, f"vlmserve overload ({mode.label()}, {' '.join(extra)})"), flush=True)
     refused, other = refusals(res.records)
     lat = load._dist([r.e2e_s for r in refused], 1e3)
@@ -374,7 +358,7 @@ def run_overload(args: argparse.Namespace) -> int:
         f"{'no leak' if after['no_leak'] else 'LEAK'}",
         f"  {'PASS' if passed else 'FAIL'}"
         + ("" if refused else " (nothing was shed: raise --rate or lower the bounds)"),
-        "  " + contention_note({"overload": meter.result}),
+        "  " + contention_note({"overload": cpu}),
     ]
     print("\n".join(lines), flush=True)
     mach = machine()
@@ -387,11 +371,11 @@ def run_overload(args: argparse.Namespace) -> int:
         "summary": s,
         "metrics_before": {k: v for k, v in before.items() if k.startswith("vlmserve_")},
         "metrics_after": after,
-        "cpu": meter.result,
+        "cpu": cpu,
     }
-    label = f"{args.preset} preset" if not args.model else str(model)
+    label = checkpoint_label(args, model)
     md = [
-        f"checkpoint: {label}{' (SMOKE RUN: tiny preset)' if args.preset == 'tiny' and not args.model else ''}; "
+        f"checkpoint: {label}; "
         f"`{' '.join(argv)}`; Poisson arrivals at {args.rate:g} req/s, {len(trace.requests)} requests, "
         f"max_tokens {args.max_tokens}, trace {trace.digest()[:12]}{' [QUICK]' if args.quick else ''}",
         "",
@@ -415,11 +399,7 @@ def run_overload(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="serve_compare.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = arg_parser("serve_compare.py", __doc__)
     p.add_argument("--quick", action="store_true", help="shrink: 16 requests, 8 clients, max_tokens 32")
     p.add_argument("--overload", action="store_true", help="the admission-control overload check instead")
     add_common_args(p, requests="default 64; --quick 16", max_tokens="default 128; --quick 32")

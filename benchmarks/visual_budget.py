@@ -25,6 +25,7 @@ if not __package__:  # run by path: the repository root onto sys.path, once (ben
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -36,12 +37,13 @@ from benchmarks import load
 from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
-    CpuMeter,
     NamedMode,
     ServerProcess,
     add_common_args,
+    arg_parser,
     build_trace,
     bulk_dir,
+    checkpoint_label,
     contention_note,
     ensure_checkpoint,
     fmt,
@@ -52,8 +54,8 @@ from benchmarks.harness import (
     refusals,
     results_header,
     run_main,
+    run_on,
     scrape,
-    settled_metrics,
     summarize_run,
     trace_entry,
     vlmserve_argv,
@@ -143,27 +145,23 @@ def serve_and_drive(
 ) -> dict:
     """A freshly started server through the trace: the run, its summary, the level samples, the CPU meter,
     ``/metrics`` once it settled and its start-up time, as a dict."""
-    with ServerProcess(name, argv, port, log_path) as server:
-        server.start(args.startup_timeout_s)
-        with CpuMeter(server.pgid) as meter:
-            res, s, samples = asyncio.run(
-                measured_run(
-                    server.base_url,
-                    trace,
-                    images,
-                    mode,
-                    args.warmup,
-                    args.slo_ttft_ms,
-                    args.slo_tpot_ms,
-                    ignore_eos=ignore_eos,
-                )
-            )
-        after = asyncio.run(settled_metrics(server.base_url))
+    go = functools.partial(
+        measured_run,
+        trace=trace,
+        images=images,
+        mode=mode,
+        warmup=args.warmup,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        ignore_eos=ignore_eos,
+    )
+    server = ServerProcess(name, argv, port, log_path)
+    (res, s, samples), cpu, after = run_on(server, args.startup_timeout_s, go)
     return {
         "res": res,
         "summary": s,
         "samples": samples,
-        "cpu": meter.result,
+        "cpu": cpu,
         "after": after,
         "startup_s": server.startup_s,
     }
@@ -412,9 +410,7 @@ def main_run(args: argparse.Namespace) -> int:
         ratio = a["goodput"] / f["goodput"] if f["goodput"] else (float("inf") if a["goodput"] else None)
         fm, am = f["slo"]["met"], a["slo"]["met"]
         ratio_met = am / fm if fm else (float("inf") if am else None)
-    label = f"{args.preset} preset" if not args.model else str(model)
-    if args.preset == "tiny" and not args.model:
-        label += " (SMOKE RUN: tiny preset)"
+    label = checkpoint_label(args, model)
     header = (
         f"checkpoint: {label}; {len(trace.requests)} requests, Poisson {rate:.4f} req/s = "
         f"{rate / sustainable if sustainable else float('nan'):.2f} × the sustainable {fmt(sustainable, '.4f')} req/s"
@@ -525,11 +521,7 @@ def finish_overload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="visual_budget.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = arg_parser("visual_budget.py", __doc__)
     p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 12 calibration requests")
     add_common_args(p, requests="default 48; --quick 24", max_tokens="default 64; --quick 32")
     p.add_argument("--calib-n", type=int, help="calibration requests (default 24; --quick 12)")
