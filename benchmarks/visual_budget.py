@@ -25,7 +25,6 @@ if not __package__:  # run by path: the repository root onto sys.path, once (ben
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import sys
 import time
@@ -145,16 +144,11 @@ def serve_and_drive(
 ) -> dict:
     """A freshly started server through the trace: the run, its summary, the level samples, the CPU meter,
     ``/metrics`` once it settled and its start-up time, as a dict."""
-    go = functools.partial(
-        measured_run,
-        trace=trace,
-        images=images,
-        mode=mode,
-        warmup=args.warmup,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tpot_ms=args.slo_tpot_ms,
-        ignore_eos=ignore_eos,
-    )
+
+    async def go(base_url: str) -> tuple[load.RunResult, dict, list]:
+        slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+        return await measured_run(base_url, trace, images, mode, args.warmup, *slo, ignore_eos=ignore_eos)
+
     server = ServerProcess(name, argv, port, log_path)
     (res, s, samples), cpu, after = run_on(server, args.startup_timeout_s, go)
     return {
