@@ -38,7 +38,6 @@ import csv
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -521,18 +520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = f"soak: {args.mix}, {args.concurrency} clients, max_tokens {args.max_tokens}, {model.name} {' '.join(args.env)} {' '.join(args.server_args)}"
     log = ROOT / "benchmarks" / "out" / f"soak-{args.mix}-{args.label or args.preset}.log"
 
-    def on_term(signum, frame) -> None:  # SIGTERM: unwind like Ctrl-C, so the server is stopped
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
     server = harness.ServerProcess("vlmserve", argv, port, log, env=env)
-    try:
-        with server.start():
+
+    def go() -> int:
+        with server:  # NOTE: entered before start(): a server that never gets healthy is stopped too
+            server.start()
             run = asyncio.run(soak(server.base_url, server.pgid, args))
-    except KeyboardInterrupt:
-        print("\ninterrupted: server stopped", file=sys.stderr)
-        return 130
-    return report(run, args, title)
+        return report(run, args, title)
+
+    return harness.run_main(go)
 
 
 if __name__ == "__main__":
