@@ -13,15 +13,17 @@ slower here.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import ctypes
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from runtime.native import load_library
 
-from runtime.native import load_library  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 KERNEL = ROOT / "runtime" / "csrc" / "cpu_kernel.c"
 BENCH = Path(__file__).parent / "csrc" / "amx_step.c"

@@ -9,6 +9,9 @@ column is that byte count over the measured time. Without a CUDA device only ``-
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import sys
 import time

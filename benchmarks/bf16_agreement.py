@@ -19,18 +19,18 @@ share of requests whose tokens are identical, with the mean length of the matchi
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import platform
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root, for tests.support
 
 from lm_engine import LLM, SamplingParams
 from tests.support import HFOracle, mixed_requests, user

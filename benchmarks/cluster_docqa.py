@@ -24,6 +24,9 @@ replica; and the ratio of the prefix hit rates (target >= 1.5). Writes benchmark
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import json
@@ -32,7 +35,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,31 +43,15 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.docqa import OUT_DIR, QUESTIONS, write_pages
+from benchmarks.harness import ensure_checkpoint, free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from benchmarks.docqa import OUT_DIR, QUESTIONS, write_pages  # noqa: E402
 
 MODES = ("image", "round-robin")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def checkpoint(preset: str) -> Path:
-    path = OUT_DIR / f"{preset}-seed0"
-    if not (path / "config.json").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
-
-        print(f"generating the {preset} checkpoint in {path} (once)...", flush=True)
-        make_checkpoint(path, preset=preset, seed=0)
-    return path
 
 
 def blocks_per_page(ckpt: Path, pages: list[Path], block_size: int, text_tokens: int = 64) -> int:
@@ -241,7 +227,7 @@ def main() -> int:
     if args.quick:
         args.pages, args.questions, args.preset, args.cache_pages = 6, 3, "tiny", 4
     os.chdir(ROOT)
-    ckpt = checkpoint(args.preset)
+    ckpt = ensure_checkpoint(args.preset)
     work = OUT_DIR / f"cluster-docqa-{args.pages}x{args.questions}"
     pages = write_pages(work / "pages", args.pages)
     bpp = blocks_per_page(ckpt, pages, block_size=16)

@@ -10,13 +10,13 @@ fraction of the peak the library's matmul reaches is visible too.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import ctypes
 import functools
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.native import load_library
 

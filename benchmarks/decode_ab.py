@@ -17,6 +17,9 @@ used), the 7B shape does not.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import json
@@ -25,13 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import llamacpp  # noqa: E402
-from benchmarks import real_size as rs  # noqa: E402
-from benchmarks import serve_compare as sc  # noqa: E402
+from benchmarks import harness, llamacpp
+from benchmarks import real_size as rs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,9 +72,11 @@ def main(argv=None) -> int:
     bin_dir = llamacpp.ensure_built()
     gguf, _ = llamacpp.convert(args.model, outtype="bf16")
 
-    port = sc.free_port()
-    argv_v = sc.vlmserve_here_argv(args.model, port, args.vlmserve_arg)
-    ours = sc.ServerProcess("vlmserve", argv_v, port, args.log_dir / f"{args.label}-ab-{stamp}-vlmserve.log")
+    port = harness.free_port()
+    argv_v = harness.vlmserve_here_argv(args.model, port, args.vlmserve_arg)
+    ours = harness.ServerProcess(
+        "vlmserve", argv_v, port, args.log_dir / f"{args.label}-ab-{stamp}-vlmserve.log"
+    )
     # text only: the peer's vision projector is not needed for a decode comparison
     peer = llamacpp.LlamaServer(
         gguf,

@@ -22,22 +22,20 @@ miss is a number too small to read at that budget or one the model misreads.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import sys
 import time
 from collections import Counter, defaultdict
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.quality_vs_budget import level_name, model_ladder, resolve_model  # noqa: E402
-from lm_engine.models import demo_tasks as tasks  # noqa: E402
-from lm_engine.models import demo_train  # noqa: E402
-from preprocess.grid import smart_resize  # noqa: E402
+from benchmarks.quality_vs_budget import level_name, model_ladder, resolve_model
+from lm_engine.models import demo_tasks as tasks
+from lm_engine.models import demo_train
+from preprocess.grid import smart_resize
 
 GLYPH_BINS = (12, 16, 24, 40)  # px: the bins' edges
 BIN_NAMES = ("<12", "12-16", "16-24", "24-40", ">=40")

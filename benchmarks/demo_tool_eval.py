@@ -18,6 +18,9 @@ count is right about as often as the count is. Results go to ``benchmarks/result
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import contextlib
@@ -26,24 +29,20 @@ import sys
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.quality_vs_budget import resolve_model  # noqa: E402
-from benchmarks.serve_compare import (  # noqa: E402
+from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
     ServerProcess,
+    bulk_dir,
     free_port,
     machine,
     results_header,
     vlmserve_here_argv,
 )
-from lm_engine.models import demo_tasks as tasks  # noqa: E402
-from lm_engine.models import demo_tools  # noqa: E402
+from benchmarks.quality_vs_budget import resolve_model
+from lm_engine.models import demo_tasks as tasks
+from lm_engine.models import demo_tools
 
 GROUPS = {"readme": None, "seen": demo_tools.TRAINING, "unseen": demo_tools.UNSEEN}
 
@@ -130,8 +129,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     body = {**results_header("benchmarks/demo_tool_eval.py", args, path, machine()), "summary": summary}
     (out / "results.json").write_text(json.dumps(body, indent=1) + "\n")
-    (out / "records.json").write_text(json.dumps(results) + "\n")
-    print(f"wrote {out}/results.json, records.json", file=sys.stderr)
+    bulk = bulk_dir(out)
+    bulk.mkdir(parents=True, exist_ok=True)
+    (bulk / "records.json").write_text(json.dumps(results) + "\n")
+    print(f"wrote {out}/results.json, {bulk}/records.json", file=sys.stderr)
     return 0
 
 

@@ -24,6 +24,9 @@ results JSON.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import io
 import json
@@ -34,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.harness import ensure_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "benchmarks" / "out"
@@ -237,16 +242,6 @@ def write_batch(path: Path, pages: list[Path], questions: int, max_tokens: int, 
 # ---------------------------------------------------------------- runs
 
 
-def checkpoint() -> Path:
-    path = OUT_DIR / "small-seed0"
-    if not (path / "config.json").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
-
-        print(f"generating the small checkpoint in {path} (once)...", flush=True)
-        make_checkpoint(path, preset="small", seed=0)
-    return path
-
-
 MODES = {
     "on": [],
     "off": ["--no-enable-prefix-caching", "--embedding-cache-mb", "0"],
@@ -300,8 +295,7 @@ def main() -> int:
         ap.error(f"unknown modes {sorted(unknown)}")
 
     os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))
-    ckpt = checkpoint()
+    ckpt = ensure_checkpoint("small")
     work = OUT_DIR / f"docqa-{args.pages}x{args.questions}"
     shutil.rmtree(work, ignore_errors=True)
     t0 = time.perf_counter()

@@ -23,12 +23,14 @@ rate. Pixels are random (the work does not depend on them).
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,10 +38,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks.cpu_peak
-OUT_DIR = Path(__file__).parent / "out"
+from benchmarks.harness import ensure_checkpoint
+
 RESULTS = Path(__file__).parent / "results" / "encoder_throughput"
 SIZES = [(224, 224), (448, 336), (640, 480), (336, 896), (800, 600), (1024, 768), (1280, 720), (1600, 1200),
          (1536, 2048), (2048, 1536)]  # fmt: skip
@@ -55,21 +55,6 @@ class Result:
     linear_s: float = 0.0
     attention_s: float = 0.0
     notes: dict = field(default_factory=dict)
-
-
-def ensure_checkpoint(path: Path | None, family: str) -> Path:
-    if path is not None:
-        return path
-    path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
-    if not (path / "model.safetensors").is_file():
-        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
-
-        print(f"generating the small {family} preset into {path} (once)")
-        if family == "qwen3_vl":
-            qwen3_vl_make.make_checkpoint(path, preset="small", seed=0)
-        else:
-            qwen2_vl_make.make_checkpoint(path, preset="small", seed=0, family=family)
-    return path
 
 
 def cpu_flags() -> str:
@@ -329,7 +314,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
 
-    model_dir = ensure_checkpoint(args.model, args.family)
+    model_dir = ensure_checkpoint("small", 0, args.model, family=args.family)
     dtype = compute_dtype(model_dir, args.dtype)
     device = torch.device(args.device)
     ours, ours_attn, hf, hf_attn = build_towers(model_dir, dtype, args.attention, device)

@@ -15,30 +15,29 @@ Results go to ``benchmarks/results/encoder_tier/``; server logs to ``benchmarks/
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
-import asyncio
+import functools
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import load  # noqa: E402
-from benchmarks.serve_compare import (  # noqa: E402
+from benchmarks import load
+from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
-    CpuMeter,
     ServerProcess,
-    _fmt,
     contention_note,
     ensure_checkpoint,
+    fmt,
     free_port,
     machine,
     prepare_images,
-    vlmserve_argv,
+    ratio,
+    run_on,
+    vlmserve_here_argv,
 )
 
 MODES = {"in-process": [], "encoder-workers-1": ["--encoder-workers", "1"]}
@@ -89,32 +88,26 @@ def run(args: argparse.Namespace) -> int:
     out = {"machine": machine(), "args": vars(args), "trace": trace.digest(), "runs": {}}
     for name, extra in MODES.items():
         port = free_port()
-        argv = vlmserve_argv(model, port, ["--visual-budget", "fixed", *extra, *args.vlmserve_arg])
-        argv[:1] = [sys.executable, "-m", "api.cli"]  # this checkout's code, whatever the script's shebang
-        with ServerProcess(name, argv, port, OUT_DIR / "encoder_tier" / f"{name}.log") as server:
-            server.start(900)
-            with CpuMeter(server.pgid) as meter:
-                res = asyncio.run(one_run(server.base_url, trace, images, args.rate))
-        out["runs"][name] = {"argv": argv, "figures": figures(res, trace), "cpu": meter.result}
+        argv = vlmserve_here_argv(model, port, ["--visual-budget", "fixed", *extra, *args.vlmserve_arg])
+        server = ServerProcess(name, argv, port, OUT_DIR / "encoder_tier" / f"{name}.log")
+        go = functools.partial(one_run, trace=trace, images=images, rate=args.rate)
+        res, cpu, _ = run_on(server, 900, go, settle=False)
+        out["runs"][name] = {"argv": argv, "figures": figures(res, trace), "cpu": cpu}
         print(name, json.dumps(out["runs"][name]["figures"]), flush=True)
     base, tier = (out["runs"][m]["figures"] for m in MODES)
-    ratio = {
-        "chat_tpot_p99": _div(tier["chat_tpot_ms"]["p99"], base["chat_tpot_ms"]["p99"]),
-        "chat_tpot_p50": _div(tier["chat_tpot_ms"]["p50"], base["chat_tpot_ms"]["p50"]),
-        "ttft_p99": _div(tier["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
-        "throughput": _div(tier["throughput_rps"], base["throughput_rps"]),
+    ratios = {
+        "chat_tpot_p99": ratio(tier["chat_tpot_ms"]["p99"], base["chat_tpot_ms"]["p99"]),
+        "chat_tpot_p50": ratio(tier["chat_tpot_ms"]["p50"], base["chat_tpot_ms"]["p50"]),
+        "ttft_p99": ratio(tier["ttft_ms"]["p99"], base["ttft_ms"]["p99"]),
+        "throughput": ratio(tier["throughput_rps"], base["throughput_rps"]),
     }
-    out["ratios_pool_over_in_process"] = ratio
-    print("pool / in-process: " + ", ".join(f"{k} {_fmt(v, '.2f')}" for k, v in ratio.items()))
+    out["ratios_pool_over_in_process"] = ratios
+    print("pool / in-process: " + ", ".join(f"{k} {fmt(v, '.2f')}" for k, v in ratios.items()))
     print(contention_note({m: out["runs"][m]["cpu"] for m in MODES}))
     dest = RESULTS_DIR / "encoder_tier"
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "results.json").write_text(json.dumps(out, indent=2, default=str))
     return 0
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

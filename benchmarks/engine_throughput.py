@@ -23,6 +23,9 @@ flip legitimately).
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import io
 import json
@@ -38,7 +41,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-OUT_DIR = Path(__file__).parent / "out"
+from benchmarks.harness import ensure_checkpoint
+
 # (images as (width, height)) per request, cycled; distinct pixels per request via the seed.
 MIX: list[tuple[tuple[int, int], ...]] = [
     ((224, 224),),
@@ -141,19 +145,6 @@ class Result:
     notes: str = ""
     others: float = 0.0  # CPU share other processes took meanwhile
     timer: StageTimer | None = None
-
-
-def ensure_checkpoint(path: Path | None, family: str = "qwen2_vl") -> Path:
-    if path is not None:
-        return path
-    path = OUT_DIR / ("small-seed0" if family == "qwen2_vl" else f"small-{family}-seed0")
-    if not (path / "model.safetensors").is_file():
-        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
-
-        print(f"generating the {family} small preset into {path} (once)")
-        maker = {"qwen2_vl": qwen2_vl_make, "qwen3_vl": qwen3_vl_make}[family]
-        maker.make_checkpoint(path, preset="small", seed=0)
-    return path
 
 
 class StageTimer:
@@ -447,7 +438,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import transformers
 
-    model = ensure_checkpoint(args.model, args.family)
+    model = ensure_checkpoint("small", 0, args.model, family=args.family)
     convs = make_requests(args.num_requests)
     warmup = make_requests(2, seed=99)  # distinct images: nothing cached for the timed runs
     n_img = sum(p["type"] == "image" for c in convs for p in c[0]["content"])

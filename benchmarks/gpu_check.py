@@ -28,6 +28,9 @@ Sections, each printing PASS/FAIL lines and a summary at the end:
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import sys
 import tempfile
 import time
@@ -35,8 +38,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS: list[tuple[str, bool, str]] = []
 # --cpu: the sections that need no CUDA-only feature, on the CPU (checks this script, not a GPU)
@@ -231,8 +232,8 @@ SERVE_SEED = 30_000  # tests/lm_engine/test_shipped_demo.py's fixed images
 def check_serve() -> None:
     import httpx
 
+    from benchmarks.harness import ServerProcess, free_port, vlmserve_here_argv
     from benchmarks.quality_vs_budget import data_url
-    from benchmarks.serve_compare import ServerProcess, free_port, vlmserve_here_argv
     from lm_engine.models import demo_tasks as tasks
 
     port = free_port()

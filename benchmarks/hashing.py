@@ -21,19 +21,18 @@ under ``benchmarks/results/hashing/``.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import os
 import platform
-import sys
 import threading
 import time
 from pathlib import Path
 
-from preprocess_throughput import encode, synth_rgb
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root
-
+from benchmarks.preprocess_throughput import encode, synth_rgb
 from preprocess.hashing import DEFAULT_HASH, HASH_ALGORITHMS, TRUSTED_ONLY, digest
 
 RESULTS = Path(__file__).parent / "results" / "hashing"

@@ -26,6 +26,9 @@ extracted tree, ``build-<version>-<key>/`` one build per (version, CPU flags, co
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import contextlib
@@ -41,10 +44,6 @@ import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # NOTE: from the sdist's CHANGELOG.md ("update llama.cpp to ggml-org/llama.cpp@0c1e57098"); the sdist has no .git.
@@ -540,12 +539,6 @@ def quantize(gguf: str | Path, kind: str, bin_dir: Path | None = None, threads: 
 # ---------------------------------------------------------------- server
 
 
-def _serve_compare():
-    from benchmarks import serve_compare  # NOTE: late: only the server part needs it (and httpx)
-
-    return serve_compare
-
-
 def server_argv(
     bin_dir: Path,
     model: Path,
@@ -633,10 +626,11 @@ class LlamaServer:
         bin_dir: Path | None = None,
         ready_timeout_s: float = 300.0,
     ) -> None:
-        sc = _serve_compare()
+        from benchmarks import harness  # NOTE: late: only the server part needs it (and httpx)
+
         bin_dir = bin_dir or ensure_built()
         self.model, self.mmproj = Path(model), Path(mmproj) if mmproj else None
-        port = port or sc.free_port()
+        port = port or harness.free_port()
         self.argv = server_argv(
             bin_dir,
             self.model,
@@ -651,7 +645,7 @@ class LlamaServer:
             extra=extra,
         )
         log_path = Path(log_path) if log_path else self.model.with_name(f"llama-server-{self.model.stem}.log")
-        self._proc = sc.ServerProcess("llama-server", self.argv, port, log_path)
+        self._proc = harness.ServerProcess("llama-server", self.argv, port, log_path)
         self.ready_timeout_s = ready_timeout_s
         self.startup_s: float | None = None
 

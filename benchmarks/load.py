@@ -22,6 +22,9 @@ vlmserve reports in ``usage``. Every request is bounded by
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import base64

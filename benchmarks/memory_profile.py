@@ -16,6 +16,9 @@ the rest of the growth sits (in use vs kept free by the allocator).
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import contextlib
@@ -32,11 +35,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import serve_compare, soak  # noqa: E402
+from benchmarks import harness, soak
 
 
 class _MallInfo2(ctypes.Structure):
@@ -181,8 +180,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.update(dict(kv.split("=", 1) for kv in args.env))
-    model = serve_compare.ensure_checkpoint(args.preset, 0, args.model)
-    server, thread = start_server(model, serve_compare.free_port())
+    model = harness.ensure_checkpoint(args.preset, 0, args.model)
+    server, thread = start_server(model, harness.free_port())
     try:
         points = asyncio.run(drive(f"http://127.0.0.1:{server.config.port}", args))
     finally:

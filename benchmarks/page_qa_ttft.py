@@ -20,6 +20,9 @@ and header probe included) to the step that samples the first token, both on tim
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import io
 import os
@@ -28,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from preprocess_throughput import wait_idle
+from benchmarks.harness import ensure_checkpoint
+from benchmarks.preprocess_throughput import wait_idle
 
 OUT_DIR = Path(__file__).parent / "out"
 FONT_DIR = Path("/usr/share/fonts/truetype/dejavu")
@@ -119,18 +123,6 @@ def make_page(seed: int) -> bytes:
     buf = io.BytesIO()
     page.save(buf, "PNG")
     return buf.getvalue()
-
-
-def ensure_checkpoint(path: Path | None) -> Path:
-    if path is not None:
-        return path
-    path = OUT_DIR / "small-seed0"
-    if not (path / "model.safetensors").is_file():
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
-
-        print(f"generating the small preset into {path} (once)", flush=True)
-        make_checkpoint(path, preset="small", seed=0)
-    return path
 
 
 def ask(llm, page: bytes, question: str, max_tokens: int) -> dict:
@@ -234,7 +226,7 @@ def main() -> None:
 
     from preprocess import PreprocessConfig, plan_grid, probe
 
-    model = ensure_checkpoint(args.model)
+    model = ensure_checkpoint("small", 0, args.model)
     page = make_page(seed=0)
     if args.save_page:
         OUT_DIR.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,16 @@ Draft decodes a large JPEG at 1/2, 1/4 or 1/8 scale in the IDCT when the target 
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import statistics
 import time
 
 import numpy as np
-from preprocess_throughput import encode, synth_rgb
+
+from benchmarks.preprocess_throughput import encode, synth_rgb
 
 SOURCES = [(4032, 3024), (2048, 1536), (1280, 960)]
 BUDGETS = {"256 tok": 28 * 28 * 256, "1280 tok": 28 * 28 * 1280, "4096 tok": 28 * 28 * 4096}

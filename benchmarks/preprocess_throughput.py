@@ -17,6 +17,9 @@ transformers runs with torch's default threads and with 1 thread; the faster is 
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import io

@@ -30,11 +30,13 @@ buys) and to an ``adaptive`` one (the ladder and that admission control). Every 
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import base64
 import hashlib
-import json
 import math
 import random
 import sys
@@ -45,35 +47,34 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import load  # noqa: E402
-from benchmarks.serve_compare import (  # noqa: E402
+from benchmarks import load
+from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
-    CpuMeter,
-    NamedMode,
     ServerProcess,
-    _fmt,
+    arg_parser,
+    bulk_dir,
     contention_note,
+    fmt,
     free_port,
     machine,
     results_header,
-    settled_metrics,
+    run_main,
     vlmserve_here_argv,
+    write_results,
 )
-from benchmarks.visual_budget import (  # noqa: E402
-    BUDGETS,
-    level_counts,
-    measured_run,
-    plot_levels,
+from benchmarks.visual_budget import (
+    add_overload_args,
+    budget_runs_summary,
+    calibrate_with,
+    failed_any,
+    finish_overload_args,
+    overload_runs,
     run_table,
-    server_extra,
+    write_budget_bulk,
 )
-from lm_engine.models import demo_tasks  # noqa: E402
-from lm_engine.models.demo_tasks import Example, normalize  # noqa: E402
+from lm_engine.models import demo_tasks
+from lm_engine.models.demo_tasks import Example, normalize
 
 LOG_DIR = OUT_DIR / "quality_vs_budget"
 TASKS = demo_tasks.TASKS
@@ -294,7 +295,7 @@ def accuracy_table(levels: list[dict]) -> str:
             f", --visual-level {s['server_visual_level']}" if s["detail"] == "auto" else ""
         )
         lines.append(
-            f"| L{s['level']} ({s['name']}) | {s['max_pixels']} | {how} | {_fmt(s['visual_tokens_mean'], '.1f')} "
+            f"| L{s['level']} ({s['name']}) | {s['max_pixels']} | {how} | {fmt(s['visual_tokens_mean'], '.1f')} "
             f"| {acc} | {100 * s['accuracy']:.1f} % | {s['failed']} |"
         )
     return "\n".join(lines)
@@ -362,7 +363,7 @@ def run_accuracy(args: argparse.Namespace, model: Path, label: str, ladder: list
                 print(
                     f"[{title}] accuracy {100 * s['accuracy']:.1f} % ("
                     + ", ".join(f"{t} {100 * s['per_task'][t]['accuracy']:.0f} %" for t in TASKS)
-                    + f"), visual tokens/img {_fmt(s['visual_tokens_mean'], '.1f')}, failed {s['failed']}, "
+                    + f"), visual tokens/img {fmt(s['visual_tokens_mean'], '.1f')}, failed {s['failed']}, "
                     f"level mismatches {s['level_mismatches']}",
                     file=sys.stderr,
                     flush=True,
@@ -385,26 +386,23 @@ def run_accuracy(args: argparse.Namespace, model: Path, label: str, ladder: list
         "wall_s": time.perf_counter() - t0,
         "levels": levels,
     }
-    (out_dir / "accuracy.json").write_text(json.dumps(body, indent=1) + "\n")
-    (out_dir / "accuracy_records.json").write_text(
-        json.dumps({str(k): v for k, v in records.items()}, default=float) + "\n"
-    )
-    plot_accuracy(
-        levels, out_dir / "accuracy.png", f"{Path(str(model)).name}: accuracy vs visual tokens{quick}"
-    )
     md = [
-        "# Answer quality at each visual budget level",
-        "",
-        f"`{body['command']}` — {body['created']}",
-        "",
         header,
         "",
         table,
         "",
-        "Accuracy vs visual tokens per task: `accuracy.png`. Every reply: `accuracy_records.json`.",
+        f"In `{bulk_dir(out_dir)}`: accuracy against visual tokens per task `accuracy.png`, every reply "
+        "`accuracy_records.json`.",
     ]
-    (out_dir / "accuracy.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out_dir}/accuracy.json, accuracy.md, accuracy.png, accuracy_records.json", file=sys.stderr)
+    bulk = write_results(
+        out_dir,
+        body,
+        "Answer quality at each visual budget level",
+        md,
+        {str(k): v for k, v in records.items()},
+        stem="accuracy",
+    )
+    plot_accuracy(levels, bulk / "accuracy.png", f"{Path(str(model)).name}: accuracy vs visual tokens{quick}")
     bad = [s for s in levels if s["failed"] or s["level_mismatches"]]
     for s in bad:
         print(
@@ -497,120 +495,44 @@ def overload_table(rows: list[tuple[str, dict, dict]]) -> str:
         )
         acc = q["accuracy_answered"]
         lines.append(
-            f"| {name} | {q['answered']}/{s['sent']} | {q['correct']} | {_fmt(acc and 100 * acc, '.1f')} % "
-            f"| {q['within_slo']} | {q['correct_within_slo']} | {_fmt(s['goodput'], '.3f')} "
+            f"| {name} | {q['answered']}/{s['sent']} | {q['correct']} | {fmt(acc and 100 * acc, '.1f')} % "
+            f"| {q['within_slo']} | {q['correct_within_slo']} | {fmt(s['goodput'], '.3f')} "
             f"| **{q['correct_within_slo_per_s']:.3f}** | {by or '-'} |"
         )
     return "\n".join(lines)
 
 
-def calibrate(args: argparse.Namespace, model: Path, items: list) -> dict:
-    """Closed loop at --calib-clients on a fixed-budget server: completed requests per second."""
-    trace, store = task_trace(items, args.max_tokens, args.seed + 2)
-    port = free_port()
-    argv = vlmserve_here_argv(model, port, server_extra(args, "fixed"))
-    mode = load.LoadMode(concurrency=args.calib_clients, request_timeout_s=args.request_timeout_s)
-    with ServerProcess("vlmserve calibration", argv, port, LOG_DIR / "calibration.log") as server:
-        server.start(args.startup_timeout_s)
-        res, s, _ = asyncio.run(
-            measured_run(
-                server.base_url,
-                trace,
-                store,
-                mode,
-                args.warmup,
-                args.slo_ttft_ms,
-                args.slo_tpot_ms,
-                ignore_eos=False,
-            )
-        )
-    print(load.format_summary(s, f"calibration, fixed budget ({mode.label()})"), flush=True)
-    if s["ok"] == 0:
-        raise SystemExit("calibration: no request succeeded; see " + str(LOG_DIR / "calibration.log"))
-    return {
-        "argv": argv,
-        "mode": mode.label(),
-        "requests": len(trace.requests),
-        "sustainable_rate": s["request_throughput"],
-        "summary": s,
-    }
-
-
 def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Path) -> int:
     calib_items, items = overload_pool(args)
     check_max_tokens(model, [*calib_items, *items], args.max_tokens)
-    calib = None
-    sustainable = args.sustainable_rate
-    if args.rate is None and sustainable is None:
-        calib = calibrate(args, model, calib_items)
-        sustainable = calib["sustainable_rate"]
-        print(f"sustainable rate at the full budget: {sustainable:.4f} req/s", flush=True)
-    rate = args.rate if args.rate is not None else args.overload_factor * sustainable
-    trace, store = task_trace(items, args.max_tokens, args.seed + 1)
-    mode = load.LoadMode(rate=rate, request_timeout_s=args.request_timeout_s)
-    print(
-        f"offered rate {rate:.4f} req/s ({len(trace.requests)} requests over "
-        f"~{trace.requests[-1].t_unit / rate:.0f} s of arrivals)",
-        file=sys.stderr,
-        flush=True,
+
+    def calibrate() -> dict:
+        trace, store = task_trace(calib_items, args.max_tokens, args.seed + 2)
+        log = LOG_DIR / "calibration.log"
+        return calibrate_with(args, model, vlmserve_here_argv, trace, store, log, ignore_eos=False)
+
+    calib, sustainable, rate, trace, runs, results = overload_runs(
+        args,
+        model,
+        vlmserve_here_argv,
+        calibrate,
+        lambda: task_trace(items, args.max_tokens, args.seed + 1),
+        lambda budget: LOG_DIR / f"overload-{budget}.log",
+        ignore_eos=False,
     )
-    runs: dict[str, dict] = {}
-    results, summaries, recs = [], [], {}
-    for budget in args.budgets:
-        port = free_port()
-        argv = vlmserve_here_argv(model, port, server_extra(args, budget))
-        with ServerProcess(f"vlmserve {budget}", argv, port, LOG_DIR / f"overload-{budget}.log") as server:
-            server.start(args.startup_timeout_s)
-            with CpuMeter(server.pgid) as meter:
-                res, s, samples = asyncio.run(
-                    measured_run(
-                        server.base_url,
-                        trace,
-                        store,
-                        mode,
-                        args.warmup,
-                        args.slo_ttft_ms,
-                        args.slo_tpot_ms,
-                        ignore_eos=False,
-                    )
-                )
-            after = asyncio.run(settled_metrics(server.base_url))
-        q = score(res.records, items, args)
+    for budget, run in runs.items():
+        q = score(results[budget].records, items, args)
+        s = run["summary"]
         q["correct_within_slo_per_s"] = (
             q["correct_within_slo"] / s["duration_s"] if s["duration_s"] > 0 else 0.0
         )
-        shed = [r for r in res.records if r.status == 503 and r.error_kind == "http"]
-        other = [r for r in res.records if not r.ok and r not in shed]
-        v = {
-            "shed": len(shed),
-            "shed_latency_ms": load._dist([r.e2e_s for r in shed], 1e3),
-            "other_failures": len(other),
-            "other_failure_examples": [f"{r.error_kind} {r.status}: {r.error}" for r in other[:5]],
-            "levels": level_counts(s),
-        }
-        print(load.format_summary(s, f"--visual-budget {budget} ({mode.label()})"), flush=True)
         print(
-            f"  answered {q['answered']}/{s['sent']}, correct {q['correct']} (accuracy "
-            f"{_fmt(q['accuracy_answered'] and 100 * q['accuracy_answered'], '.1f')} %), correct within SLOs "
-            f"{q['correct_within_slo']} = {q['correct_within_slo_per_s']:.3f}/s; shed {v['shed']}, other failures "
-            f"{v['other_failures']}, levels {v['levels']}; KV after: "
-            f"{'no leak' if after['no_leak'] else 'LEAK'}",
+            f"{budget}: answered {q['answered']}/{s['sent']}, correct {q['correct']} (accuracy "
+            f"{fmt(q['accuracy_answered'] and 100 * q['accuracy_answered'], '.1f')} %), correct within SLOs "
+            f"{q['correct_within_slo']} = {q['correct_within_slo_per_s']:.3f}/s",
             flush=True,
         )
-        runs[budget] = {
-            "argv": argv,
-            "summary": s,
-            "verdict": v,
-            "quality": q,
-            "metrics_after": after,
-            "cpu": meter.result,
-            "level_timeline": [[round(x[0], 3), *x[1:]] for x in samples],
-        }
-        named = NamedMode(budget, res.mode)
-        named.rate = None
-        results.append(load.RunResult(named, res.records, res.planned, res.duration_s))
-        summaries.append(s)
-        recs[budget] = res.records
+        run["quality"] = q
 
     def ratio_key(key: str, base: str) -> str:
         """adaptive against ``base``: the plain key against fixed (as before the fixed+admission run existed),
@@ -635,7 +557,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
     header = (
         f"checkpoint: {label}; {len(trace.requests)} task-set requests (seed {args.seed + 1}, tasks interleaved), "
         f"Poisson {rate:.4f} req/s = {rate / sustainable if sustainable else float('nan'):.2f} × the sustainable "
-        f"{_fmt(sustainable, '.4f')} req/s {how}; "
+        f"{fmt(sustainable, '.4f')} req/s {how}; "
         f"max_tokens {args.max_tokens}, temperature 0, replies end at end of turn; SLO TTFT ≤ {args.slo_ttft_ms:g} ms, "
         f"TPOT ≤ {args.slo_tpot_ms:g} ms (server --ttft-slo-ms {args.server_ttft_slo_ms:g}){quick}"
     )
@@ -644,7 +566,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
 
     def ratio(key: str) -> str:
         r = ratios.get(key)
-        return "∞ (the other: none)" if r == float("inf") else _fmt(r) + "×"
+        return "∞ (the other: none)" if r == float("inf") else fmt(r) + "×"
 
     ratio_line = "\n\n".join(
         f"adaptive / {base}: goodput {ratio(ratio_key('goodput', base))}, correct answers per second within "
@@ -666,30 +588,9 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         "trace": {"digest": trace.digest(), "spec": trace.spec},
         "ratios": ratios,
         "contention": meters,
-        "runs": runs,
+        "runs": budget_runs_summary(runs),
     }
-    (out_dir / "overload.json").write_text(json.dumps(body, indent=1, default=float) + "\n")
-    (out_dir / "overload_records.json").write_text(
-        json.dumps(
-            {
-                k: [
-                    r.to_json()
-                    | {"task": items[r.index][1], "answer": items[r.index][0].qa[items[r.index][1]]}
-                    for r in v
-                ]
-                for k, v in recs.items()
-            },
-            default=float,
-        )
-        + "\n"
-    )
-    load.write_plots(results, summaries, out_dir)
-    plot_levels({k: v["level_timeline"] for k, v in runs.items()}, recs, out_dir / "overload_levels.png")
     md = [
-        "# Correct answers per second under overload: adaptive against fixed visual budgets",
-        "",
-        f"`{body['command']}` — {body['created']}",
-        "",
         header,
         "",
         quality,
@@ -702,24 +603,33 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         "",
         *[f"- {k}: `{' '.join(v['argv'])}`" for k, v in runs.items()],
         "",
-        "Plots: `ttft_cdf.png`, `e2e_cdf.png`, `overload_levels.png`. Records (replies included): "
-        "`overload_records.json`.",
+        f"In `{bulk_dir(out_dir)}`: plots `ttft_cdf.png`, `e2e_cdf.png`, `overload_levels.png`, records "
+        "(replies included) `overload_records.json`.",
     ]
-    (out_dir / "overload.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out_dir}/overload.json, overload.md, overload_records.json, *.png", file=sys.stderr)
-    bad = any(v["verdict"]["other_failures"] or not v["metrics_after"]["no_leak"] for v in runs.values())
-    return 1 if bad else 0
+    records = {
+        k: [
+            r.to_json() | {"task": items[r.index][1], "answer": items[r.index][0].qa[items[r.index][1]]}
+            for r in v.records
+        ]
+        for k, v in results.items()
+    }
+    bulk = write_results(
+        out_dir,
+        body,
+        "Correct answers per second under overload: adaptive against fixed visual budgets",
+        md,
+        records,
+        stem="overload",
+    )
+    write_budget_bulk(runs, results, bulk, prefix="overload_")
+    return failed_any(runs)
 
 
 # ---------------------------------------------------------------- CLI
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="quality_vs_budget.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = arg_parser("quality_vs_budget.py", __doc__)
     p.add_argument(
         "--model", help="checkpoint directory (default: what `vlmserve serve` loads without --model)"
     )
@@ -739,24 +649,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--calib-n", type=int, help="calibration requests (default 480; --quick 12)")
     # NOTE: 16 clients left the server's batching short of its capacity on a fast machine (2026-12-03, Xeon
     # with AMX): calibrated 38.7 req/s, while the fixed-budget server then answered 56 req/s of the "2x"
-    # Poisson load; 48 clients calibrated 53.5.
-    g.add_argument("--calib-clients", type=int, default=48, help="calibration concurrency (closed loop)")
-    g.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
-    g.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-budget rate")
-    g.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
-    g.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    g.add_argument("--slo-tpot-ms", type=float, default=500.0)
-    g.add_argument(
-        "--server-ttft-slo-ms", type=float, help="the server's --ttft-slo-ms (default: --slo-ttft-ms)"
-    )
-    g.add_argument("--no-server-tpot", action="store_true", help="do not pass --slo-tpot-ms as --tpot-slo-ms")
-    g.add_argument("--max-queued-requests", type=int, help="passed to both servers")
-    g.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
-    g.add_argument(
-        "--budgets",
-        default="fixed,fixed+admission,adaptive",
-        help="which runs, in order (fixed+admission: a fixed budget with --slo-admission)",
-    )
+    # Poisson load; 48 clients calibrated 53.5 (the default here).
+    add_overload_args(g, slo_ttft_ms=2000.0, calib_clients=48, budgets="fixed,fixed+admission,adaptive")
     g.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
     p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "quality_vs_budget"))
@@ -766,22 +660,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.per_task = args.per_task or (10 if args.quick else 200)
     args.overload_n = args.overload_n or (40 if args.quick else 800)
     args.calib_n = args.calib_n or (12 if args.quick else 480)
-    args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
-    args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if bad := set(args.budgets) - set(BUDGETS):
-        p.error(f"unknown budgets {sorted(bad)}")
+    finish_overload_args(p, args)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import signal
-
     args = parse_args(argv)
-
-    def on_term(signum, frame) -> None:  # SIGTERM: unwind like Ctrl-C, so the server is stopped
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
     model, label = resolve_model(args.model)
     ladder = model_ladder(model)
     out_dir = Path(args.out_dir)
@@ -792,16 +676,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    rc = 0
-    try:
+
+    def both() -> int:
+        rc = 0
         if not args.skip_accuracy:
             rc |= run_accuracy(args, model, label, ladder, out_dir)
         if not args.skip_overload:
             rc |= run_overload(args, model, label, out_dir)
-    except KeyboardInterrupt:
-        print("\ninterrupted: server stopped, nothing written for the unfinished part", file=sys.stderr)
-        return 130
-    return rc
+        return rc
+
+    return run_main(both, "part")
 
 
 if __name__ == "__main__":

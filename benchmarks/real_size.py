@@ -28,6 +28,9 @@ a summary table with the ratios on stdout, progress on stderr.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import base64
@@ -48,12 +51,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import harness, llamacpp, load
 
-from benchmarks import llamacpp, load  # noqa: E402
-from benchmarks import serve_compare as sc  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SECTIONS = ("machine", "decode", "prefill", "tower", "images")
 RESULTS_DIR = ROOT / "benchmarks" / "results" / "real_size"
@@ -322,7 +322,7 @@ def floor_ms(floor_bytes: int, gbs: float | None) -> float | None:
 
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
-    for pid, fields in sc.proc_stats():
+    for pid, fields in harness.proc_stats():
         kids.setdefault(int(fields[1]), []).append(pid)
     return kids
 
@@ -660,7 +660,7 @@ async def drive(
             streams, wall = await srv.run(bodies)
             rows[str(k)] = decode_summary(streams, wall)
             progress(
-                f"{srv.name}: {k} streams, {_fmt(rows[str(k)]['ms_per_token_mean'], '.1f')} ms/token, "
+                f"{srv.name}: {k} streams, {harness.fmt(rows[str(k)]['ms_per_token_mean'], '.1f')} ms/token, "
                 f"{wall:.1f} s"
             )
         out["decode"] = rows
@@ -671,7 +671,7 @@ async def drive(
             text = text_of_tokens(model_dir, args.prefill_tokens, seed=7000 + r)
             (s,), _ = await srv.run([srv.body(text, 1)])
             runs.append(s)
-            progress(f"{srv.name}: prefill {s.prompt_tokens} tokens, TTFT {_fmt(s.ttft_s, '.2f')} s")
+            progress(f"{srv.name}: prefill {s.prompt_tokens} tokens, TTFT {harness.fmt(s.ttft_s, '.2f')} s")
         ok = [s for s in runs if s.ok and s.prompt_tokens]
         best = min(ok, key=lambda s: s.ttft_s) if ok else None
         out["prefill"] = {
@@ -719,7 +719,7 @@ def measure(name: str, pid: int, srv: Server, model_dir: Path, args, vision: boo
     rss: dict = {}
     # NOTE: the servers run in their own process groups (pgid = pid); what other processes took of the CPUs
     # meanwhile is recorded, since llama.cpp's spinning threads slow down many-fold beside a busy process.
-    with RssSampler(pid) as sampler, sc.CpuMeter(pgid=pid) as meter:
+    with RssSampler(pid) as sampler, harness.CpuMeter(pgid=pid) as meter:
         rows = asyncio.run(drive(srv, model_dir, args, vision, lambda: rss.update(tree_rss(pid))))
     rows["cpu"] = meter.result
     rows["rss_after_warmup"] = rss
@@ -730,10 +730,10 @@ def measure(name: str, pid: int, srv: Server, model_dir: Path, args, vision: boo
 
 
 def run_vlmserve(model_dir: Path, args, stamp: str) -> dict:
-    port = sc.free_port()
-    argv = sc.vlmserve_here_argv(model_dir, port, args.vlmserve_arg)
+    port = harness.free_port()
+    argv = harness.vlmserve_here_argv(model_dir, port, args.vlmserve_arg)
     log_path = args.log_dir / f"{args.label}-{stamp}-vlmserve.log"
-    proc = sc.ServerProcess("vlmserve", argv, port, log_path)
+    proc = harness.ServerProcess("vlmserve", argv, port, log_path)
     res: dict = {"argv": argv, "log": str(log_path)}
     progress(f"vlmserve: starting (log {log_path})")
     try:
@@ -743,7 +743,7 @@ def run_vlmserve(model_dir: Path, args, stamp: str) -> dict:
         srv = Server("vlmserve", proc.base_url, _model_id(proc.base_url), {"return_token_ids": True})
         res |= measure("vlmserve", proc.proc.pid, srv, model_dir, args, vision=True)
         with contextlib.suppress(Exception):
-            metrics = asyncio.run(sc.scrape(proc.base_url))
+            metrics = asyncio.run(harness.scrape(proc.base_url))
             res["kv_cache_bytes"] = metrics.get("vlmserve_kv_cache_bytes")
     except Exception as exc:  # a failed start or a broken run is a result, and the peer still runs
         res["error"] = f"{type(exc).__name__}: {exc}"
@@ -953,14 +953,6 @@ def measure_tower(model_dir: Path, args, flags: Sequence[str], weights: dict) ->
 # ---------------------------------------------------------------- the report
 
 
-def _fmt(x, spec: str = ".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def _get(d: dict | None, *keys):
     for k in keys:
         if not isinstance(d, dict):
@@ -980,23 +972,23 @@ def ratios(result: dict) -> dict:
     vl, peer = result.get("vlmserve") or {}, result.get("llamacpp") or {}
     floor = _get(result, "floor", "ms_best")
     out = {
-        "decode_1_vs_floor": _ratio(_get(vl, "decode", "1", "ms_per_token_mean"), floor),
-        "peer_decode_1_vs_floor": _ratio(_get(peer, "decode", "1", "ms_per_token_mean"), floor),
+        "decode_1_vs_floor": harness.ratio(_get(vl, "decode", "1", "ms_per_token_mean"), floor),
+        "peer_decode_1_vs_floor": harness.ratio(_get(peer, "decode", "1", "ms_per_token_mean"), floor),
     }
     for k in _get(vl, "decode") or {}:
-        out[f"decode_{k}_vs_peer"] = _ratio(
+        out[f"decode_{k}_vs_peer"] = harness.ratio(
             _get(vl, "decode", k, "ms_per_token_mean"), _get(peer, "decode", k, "ms_per_token_mean")
         )
-    out["prefill_tokens_per_s_vs_peer"] = _ratio(
+    out["prefill_tokens_per_s_vs_peer"] = harness.ratio(
         _get(vl, "prefill", "tokens_per_s"), _get(peer, "prefill", "tokens_per_s")
     )
-    out["images_req_per_s_vs_peer"] = _ratio(
+    out["images_req_per_s_vs_peer"] = harness.ratio(
         _get(vl, "images", "req_per_s"), _get(peer, "images", "req_per_s")
     )
-    out["images_ttft_p50_vs_peer"] = _ratio(
+    out["images_ttft_p50_vs_peer"] = harness.ratio(
         _get(vl, "images", "ttft_p50_s"), _get(peer, "images", "ttft_p50_s")
     )
-    out["ready_vs_peer"] = _ratio(vl.get("ready_s"), peer.get("ready_s"))
+    out["ready_vs_peer"] = harness.ratio(vl.get("ready_s"), peer.get("ready_s"))
     weights, kv = _get(result, "weights", "total_bytes"), vl.get("kv_cache_bytes")
     rss = max(_get(vl, "rss_after_load", "bytes") or 0, vl.get("rss_peak_bytes") or 0) or None
     if weights and rss:
@@ -1006,7 +998,7 @@ def ratios(result: dict) -> dict:
     for dtype, row in (result.get("tower") or {}).items():
         mm = best_matmul(result, dtype)
         for part in ("tower", "prefill"):
-            out[f"{part}_{dtype}_vs_matmul"] = _ratio(_get(row, part, "gflops"), mm)
+            out[f"{part}_{dtype}_vs_matmul"] = harness.ratio(_get(row, part, "gflops"), mm)
     return out
 
 
@@ -1023,16 +1015,16 @@ def summary_table(result: dict) -> str:
         if row:
             mm = row["matmul_gflops"]
             lines.append(
-                f"  {when:6}: read {_fmt(row['read_gbs'], '.1f')} GB/s, matmul {'×'.join(map(str, row['matmul_shape']))}"
-                f" bf16 {_fmt(mm.get('bfloat16'), '.0f')} / fp32 {_fmt(mm.get('float32'), '.0f')} GFLOP/s"
+                f"  {when:6}: read {harness.fmt(row['read_gbs'], '.1f')} GB/s, matmul {'×'.join(map(str, row['matmul_shape']))}"
+                f" bf16 {harness.fmt(mm.get('bfloat16'), '.0f')} / fp32 {harness.fmt(mm.get('float32'), '.0f')} GFLOP/s"
             )
     w, fl = result.get("weights") or {}, result.get("floor") or {}
     if w:
         lines.append(
             f"weights {w['total_bytes'] / 1e9:.2f} GB (decoder {w['decoder_bytes'] / 1e9:.2f}, tower "
             f"{w['vision_bytes'] / 1e9:.2f}, {'tied' if w['tied'] else 'untied'} head); a decode step reads "
-            f"{w['floor_bytes'] / 1e9:.2f} GB: floor {_fmt(fl.get('ms_best'), '.1f')} ms/token "
-            f"(before {_fmt(fl.get('ms_before'), '.1f')}, after {_fmt(fl.get('ms_after'), '.1f')})"
+            f"{w['floor_bytes'] / 1e9:.2f} GB: floor {harness.fmt(fl.get('ms_best'), '.1f')} ms/token "
+            f"(before {harness.fmt(fl.get('ms_before'), '.1f')}, after {harness.fmt(fl.get('ms_after'), '.1f')})"
         )
     peer_name = (
         "llama.cpp" if peer and "skipped" not in peer else "llama.cpp: " + ("skipped" if peer else "none")
@@ -1041,7 +1033,9 @@ def summary_table(result: dict) -> str:
     lines += ["", head, "|" + "-" * (len(head) - 2) + "|"]
 
     def row(label: str, a, b, ratio=None, spec: str = ".1f") -> None:
-        lines.append(f"| {label:34} | {_fmt(a, spec):>14} | {_fmt(b, spec):>14} | {_fmt(ratio, '.2f'):>8} |")
+        lines.append(
+            f"| {label:34} | {harness.fmt(a, spec):>14} | {harness.fmt(b, spec):>14} | {harness.fmt(ratio, '.2f'):>8} |"
+        )
 
     row("ready (spawn → /health 200), s", vl.get("ready_s"), peer.get("ready_s"), r.get("ready_vs_peer"))
     row(
@@ -1154,7 +1148,7 @@ def summary_table(result: dict) -> str:
                 size = f"{x['image'][0]}² image" if part == "tower" else f"{x['tokens']} tokens"
                 lines.append(
                     f"in-process {dtype} {what}, {size}: {x['seconds']:.2f} s, {x['gflops']:.0f} GFLOP/s = "
-                    f"{_fmt(r.get(f'{part}_{dtype}_vs_matmul'), '.0%')} of the matmul rate ({_fmt(mm, '.0f')})"
+                    f"{harness.fmt(r.get(f'{part}_{dtype}_vs_matmul'), '.0%')} of the matmul rate ({harness.fmt(mm, '.0f')})"
                 )
             elif x:
                 lines.append(f"in-process {dtype} {what}: {x.get('skipped') or x.get('error')}")
@@ -1162,6 +1156,17 @@ def summary_table(result: dict) -> str:
 
 
 # ---------------------------------------------------------------- main
+
+
+def split_events(result: dict) -> dict:
+    """Pops each decode row's per-stream token timings out of ``result`` and returns them: they are most of
+    its bytes, so they go beside the logs (benchmarks/out/) and the summary stays small."""
+    out: dict = {}
+    for server in ("vlmserve", "llamacpp"):
+        for streams, row in ((result.get(server) or {}).get("decode") or {}).items():
+            if isinstance(row, dict) and "events" in row:
+                out.setdefault(server, {})[streams] = row.pop("events")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1186,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **cpu,
             "l3_bytes": l3_bytes(),
             **{k.lower(): v for k, v in meminfo().items()},
-            "host": sc.machine(),
+            "host": harness.machine(),
         },
         "weights": weights,
     }
@@ -1214,6 +1219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ms_best": floor_ms(weights["floor_bytes"], max(rates)),  # the faster read: the stricter floor
         }
     result["ratios"] = ratios(result)
+    events = split_events(result)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    (args.log_dir / f"{args.label}-{stamp}-events.json").write_text(json.dumps(events) + "\n")
     args.results_dir.mkdir(parents=True, exist_ok=True)
     out = args.results_dir / f"{args.label}-{stamp}.json"
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")

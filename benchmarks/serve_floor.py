@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/serve_floor.py        # reads benchmarks/results/serve_compare/ (~8 min)
 
-Runs the trace of the latest ``serve_compare.py`` run (its ``trace.json``, same images, same prompts,
+Runs the trace of the latest ``serve_compare.py`` run (rebuilt from the spec in its ``results.json``, same images, same prompts,
 full-resolution visual budget as ``--visual-budget fixed``) through ``LLM.chat`` in one process, all
 requests at once, twice:
 
@@ -17,6 +17,9 @@ largest ratio vlmserve could show against it on this machine. Writes ``floor.jso
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import base64
 import json
@@ -24,11 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import load
 
-import load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
@@ -41,7 +42,12 @@ def main() -> int:
     hf = results["runs"].get("transformers serve")
     hf_rps = hf["summary"]["request_throughput"] if hf else None
     vl_rps = results["runs"]["vlmserve"]["summary"]["request_throughput"]
-    trace = load.load_trace(args.results / "trace.json")
+    trace = load.make_trace(load.TraceSpec(**results["trace"]["spec"]))
+    if trace.digest() != results["trace"]["digest"]:
+        print(
+            "serve_floor: the trace rebuilt from results.json's spec differs from its digest", file=sys.stderr
+        )
+        return 1
     images = load.ImageStore(trace, ROOT / "benchmarks/out/load-images")
     images.prepare()
     if images.mismatched:

@@ -14,6 +14,9 @@ the memory moved single passes by 2-5x: compare rows of one run, and the best pa
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import statistics
@@ -21,16 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from benchmarks.real_size import cpu_info
+from lm_engine.models.qwen2_vl_make import PRESETS
+from runtime import linear as packing
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from benchmarks.real_size import cpu_info  # noqa: E402
-from lm_engine.models.qwen2_vl_make import PRESETS  # noqa: E402
-from runtime import linear as packing  # noqa: E402
 
 
 def decoder_shapes(preset: str) -> list[tuple[int, int, bool]]:

@@ -6,8 +6,8 @@ Starts ``vlmserve serve`` on 127.0.0.1 (a free port; the generated preset checkp
 process of the server's process group (the server, the preprocess forkserver and its workers): RSS and PSS
 from ``/proc/PID/smaps_rollup``, open file descriptors; and from ``/metrics`` what the server holds by
 design (KV pool, embedding cache, prefix-cache index). Prints the table and, over the last half of the run,
-the slope of the total PSS (MB per 1,000 requests, least squares) and its growth (%); writes a CSV and a
-PNG under ``benchmarks/results/soak/``.
+the slope of the total PSS (MB per 1,000 requests, least squares) and its growth (%); writes the samples
+as a CSV under ``benchmarks/results/soak/`` and their plot (PNG) under ``benchmarks/out/soak/``.
 
     .venv/bin/python benchmarks/soak.py --mix distinct-random          # distinct JPEGs, 64-700 px a side
     .venv/bin/python benchmarks/soak.py --mix text -n 1000 --max-seconds 900
@@ -27,6 +27,9 @@ stops at ``-n`` requests or ``--max-seconds``, whichever comes first, and the se
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import base64
@@ -35,7 +38,6 @@ import csv
 import json
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -44,11 +46,9 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks import harness, load
 
-from benchmarks import load, serve_compare  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results" / "soak"
 _JSON = {"Content-Type": "application/json"}
@@ -204,7 +204,7 @@ def sample_group(root: int) -> list[ProcSample]:
 async def held_by_design(client: httpx.AsyncClient) -> dict[str, float]:
     """The /metrics gauges of HELD_METRICS (absent ones are left out); bytes as MB."""
     with contextlib.suppress(httpx.HTTPError):
-        metrics = serve_compare.parse_prometheus((await client.get("/metrics")).text)
+        metrics = harness.parse_prometheus((await client.get("/metrics")).text)
         out = {}
         for name, column in HELD_METRICS.items():
             if name in metrics:
@@ -292,7 +292,7 @@ async def _client_loop(client, run: Run, args, root: int, deadline: float) -> No
 
 
 async def _evictions(client: httpx.AsyncClient) -> float:
-    metrics = serve_compare.parse_prometheus((await client.get("/metrics")).text)
+    metrics = harness.parse_prometheus((await client.get("/metrics")).text)
     return metrics.get('vlmserve_embedding_cache_evictions_total{tier="memory"}', 0.0)
 
 
@@ -462,11 +462,13 @@ def report(run: Run, args: argparse.Namespace, title: str) -> int:
     print("\n".join(mapping_growth(run.maps_before, run.maps_after)) or "  (none grew)")
     if run.done < args.n:
         print(f"NOTE: stopped by --max-seconds after {run.done} of {args.n} requests")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{args.mix}-{args.label or args.preset}"
-    write_csv(run.samples, stem.with_suffix(".csv"))
-    plotted = plot(run.samples, stem.with_suffix(".png"), title)
-    print(f"wrote {stem}.csv" + (f" and {stem}.png" if plotted else ""))
+    name = f"{args.mix}-{args.label or args.preset}"
+    csv_path, png_path = RESULTS / f"{name}.csv", harness.bulk_dir(RESULTS) / f"{name}.png"
+    for d in (csv_path.parent, png_path.parent):
+        d.mkdir(parents=True, exist_ok=True)
+    write_csv(run.samples, csv_path)
+    plotted = plot(run.samples, png_path, title)
+    print(f"wrote {csv_path}" + (f" and {png_path}" if plotted else ""))
     bad = sum(v for k, v in run.statuses.items() if k != "200")
     return 1 if bad > run.done // 100 else 0
 
@@ -510,26 +512,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    model = serve_compare.ensure_checkpoint(args.preset, 0, args.model)
-    port = serve_compare.free_port()
+    model = harness.ensure_checkpoint(args.preset, 0, args.model)
+    port = harness.free_port()
     env = dict(kv.split("=", 1) for kv in args.env)
-    argv = serve_compare.vlmserve_here_argv(model, port)
+    argv = harness.vlmserve_here_argv(model, port)
     argv += ["--served-model-name", "soak", *args.server_args]
     title = f"soak: {args.mix}, {args.concurrency} clients, max_tokens {args.max_tokens}, {model.name} {' '.join(args.env)} {' '.join(args.server_args)}"
     log = ROOT / "benchmarks" / "out" / f"soak-{args.mix}-{args.label or args.preset}.log"
 
-    def on_term(signum, frame) -> None:  # SIGTERM: unwind like Ctrl-C, so the server is stopped
-        raise KeyboardInterrupt(f"signal {signum}")
+    server = harness.ServerProcess("vlmserve", argv, port, log, env=env)
 
-    signal.signal(signal.SIGTERM, on_term)
-    server = serve_compare.ServerProcess("vlmserve", argv, port, log, env=env)
-    try:
-        with server.start():
+    def go() -> int:
+        with server:  # NOTE: entered before start(): a server that never gets healthy is stopped too
+            server.start()
             run = asyncio.run(soak(server.base_url, server.pgid, args))
-    except KeyboardInterrupt:
-        print("\ninterrupted: server stopped", file=sys.stderr)
-        return 130
-    return report(run, args, title)
+        return report(run, args, title)
+
+    return harness.run_main(go)
 
 
 if __name__ == "__main__":

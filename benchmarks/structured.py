@@ -16,12 +16,14 @@ thread (waiting for the masks after the forward pass, applying them, advancing t
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import json
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 from importlib.metadata import version
@@ -30,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.engine_throughput import ensure_checkpoint, machine_line
+from benchmarks.engine_throughput import machine_line
+from benchmarks.harness import ensure_checkpoint
 from lm_engine import structured
 from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
@@ -232,7 +233,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12, help="decode steps timed per configuration and round")
     ap.add_argument("--rounds", type=int, default=9)
     args = ap.parse_args()
-    model = ensure_checkpoint(args.model)
+    model = ensure_checkpoint("small", 0, args.model)
     engine = LLMEngine(
         EngineConfig(model=str(model), num_kv_blocks=1024, max_num_seqs=32, max_model_len=1024)
     )

@@ -15,19 +15,18 @@ Hooks cost a little; the untimed pass's total is printed beside the hooked one.
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import encoder_throughput as et  # noqa: E402
+from benchmarks import encoder_throughput as et
+from benchmarks.harness import ensure_checkpoint
 
 WINDOW_ROWS = 64  # a segment this short or shorter counts as a window
 
@@ -40,7 +39,7 @@ def main() -> None:
     ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl"])
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
-    model_dir = et.ensure_checkpoint(args.model, args.family)
+    model_dir = ensure_checkpoint("small", 0, args.model, family=args.family)
     _, tower = et.build_ours(model_dir, et.compute_dtype(model_dir, args.dtype), "auto")
     dtype = tower.dtype
     grids = et.image_grids(model_dir, et.SIZES)

@@ -19,6 +19,9 @@ Results go to ``benchmarks/results/visual_budget/``; server logs to ``benchmarks
 
 from __future__ import annotations
 
+if not __package__:  # run by path: the repository root onto sys.path, once (benchmarks/_path.py)
+    import _path  # noqa: F401
+
 import argparse
 import asyncio
 import contextlib
@@ -26,33 +29,37 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import load  # noqa: E402
-from benchmarks.serve_compare import (  # noqa: E402
+from benchmarks import load
+from benchmarks.harness import (
     OUT_DIR,
     RESULTS_DIR,
-    CpuMeter,
     NamedMode,
     ServerProcess,
-    _fmt,
     add_common_args,
+    arg_parser,
+    build_trace,
+    bulk_dir,
+    checkpoint_label,
     contention_note,
     ensure_checkpoint,
+    fmt,
     free_port,
     machine,
+    machine_line,
     prepare_images,
+    refusals,
     results_header,
+    run_main,
+    run_on,
     scrape,
-    settled_metrics,
     summarize_run,
+    trace_entry,
     vlmserve_argv,
     warm_up,
+    write_results,
 )
 
 LOG_DIR = OUT_DIR / "visual_budget"
@@ -121,47 +128,57 @@ def server_extra(args: argparse.Namespace, budget: str) -> list[str]:
     return extra + list(args.vlmserve_arg)
 
 
-def make_trace(args: argparse.Namespace, n: int, seed: int) -> load.Trace:
-    return load.make_trace(
-        load.TraceSpec(
-            num_requests=n,
-            seed=seed,
-            resolutions=load.parse_weighted(args.resolutions),
-            formats=load.parse_weighted(args.formats),
-            max_tokens=(args.max_tokens, args.max_tokens),
-        )
-    )
+ArgvFn = Callable[[Path, int, Sequence[str]], list[str]]  # (model, port, extra) → the server's command line
 
 
-def calibrate(args: argparse.Namespace, model: Path) -> dict:
+def serve_and_drive(
+    args: argparse.Namespace,
+    name: str,
+    argv: list[str],
+    port: int,
+    log_path: Path,
+    trace: load.Trace,
+    images: load.ImageStore,
+    mode: load.LoadMode,
+    ignore_eos: bool = True,
+) -> dict:
+    """A freshly started server through the trace: the run, its summary, the level samples, the CPU meter,
+    ``/metrics`` once it settled and its start-up time, as a dict."""
+
+    async def go(base_url: str) -> tuple[load.RunResult, dict, list]:
+        slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+        return await measured_run(base_url, trace, images, mode, args.warmup, *slo, ignore_eos=ignore_eos)
+
+    server = ServerProcess(name, argv, port, log_path)
+    (res, s, samples), cpu, after = run_on(server, args.startup_timeout_s, go)
+    return {
+        "res": res,
+        "summary": s,
+        "samples": samples,
+        "cpu": cpu,
+        "after": after,
+        "startup_s": server.startup_s,
+    }
+
+
+def calibrate_with(
+    args: argparse.Namespace,
+    model: Path,
+    make_argv: ArgvFn,
+    trace: load.Trace,
+    images: load.ImageStore,
+    log_path: Path,
+    ignore_eos: bool = True,
+) -> dict:
     """Closed loop at --calib-clients on a fixed-budget server: completed requests per second."""
-    # NOTE: other images than the measured trace, and the resolution mix exactly (round-robin in proportion
-    # to the weights) rather than drawn: a short random draw could be all thumbnails or all 2048×1536.
-    trace = make_trace(args, args.calib_n, args.seed + 1000)
-    weights = load.parse_weighted(args.resolutions)
-    lo = min(weights.values())
-    cycle = [
-        name
-        for name in sorted(weights, key=lambda r: load.parse_resolution(r)[0] * load.parse_resolution(r)[1])
-        for _ in range(max(1, round(weights[name] / lo)))
-    ]
-    for i, img in enumerate(trace.images):
-        img.width, img.height = load.parse_resolution(cycle[i % len(cycle)])
-    images = prepare_images(trace)
     port = free_port()
-    argv = vlmserve_argv(model, port, server_extra(args, "fixed"))
+    argv = make_argv(model, port, server_extra(args, "fixed"))
     mode = load.LoadMode(concurrency=args.calib_clients, request_timeout_s=args.request_timeout_s)
-    with ServerProcess("vlmserve calibration", argv, port, LOG_DIR / "calibration.log") as server:
-        server.start(args.startup_timeout_s)
-        with CpuMeter(server.pgid) as meter:
-            res, s, _ = asyncio.run(
-                measured_run(
-                    server.base_url, trace, images, mode, args.warmup, args.slo_ttft_ms, args.slo_tpot_ms
-                )
-            )
+    r = serve_and_drive(args, "vlmserve calibration", argv, port, log_path, trace, images, mode, ignore_eos)
+    s = r["summary"]
     print(load.format_summary(s, f"calibration, fixed budget ({mode.label()})"), flush=True)
     if s["ok"] == 0:
-        raise SystemExit("calibration: no request succeeded; see " + str(LOG_DIR / "calibration.log"))
+        raise SystemExit(f"calibration: no request succeeded; see {log_path}")
     return {
         "argv": argv,
         "mode": mode.label(),
@@ -169,8 +186,131 @@ def calibrate(args: argparse.Namespace, model: Path) -> dict:
         "trace_digest": trace.digest(),
         "sustainable_rate": s["request_throughput"],
         "summary": s,
-        "cpu": meter.result,
+        "cpu": r["cpu"],
     }
+
+
+def offered_rate(args: argparse.Namespace, calibrate: Callable[[], dict]) -> tuple[dict | None, float, float]:
+    """(the calibration or None, the sustainable rate, the offered rate): --rate as given, else
+    --overload-factor × --sustainable-rate, else × what ``calibrate()`` measured."""
+    calib = None
+    sustainable = args.sustainable_rate
+    if args.rate is None and sustainable is None:
+        calib = calibrate()
+        sustainable = calib["sustainable_rate"]
+        print(f"sustainable rate at the full budget: {sustainable:.4f} req/s", flush=True)
+    rate = args.rate if args.rate is not None else args.overload_factor * sustainable
+    return calib, sustainable, rate
+
+
+def run_budget(
+    args: argparse.Namespace,
+    budget: str,
+    model: Path,
+    make_argv: ArgvFn,
+    log_path: Path,
+    trace: load.Trace,
+    images: load.ImageStore,
+    mode: load.LoadMode,
+    ignore_eos: bool = True,
+) -> tuple[dict, load.RunResult]:
+    """One freshly started server at ``budget`` through the trace: (its run entry for results.json, the run)."""
+    port = free_port()
+    argv = make_argv(model, port, server_extra(args, budget))
+    got = serve_and_drive(args, f"vlmserve {budget}", argv, port, log_path, trace, images, mode, ignore_eos)
+    res, s, samples, after = got["res"], got["summary"], got["samples"], got["after"]
+    shed, other = refusals(res.records)
+    header_levels = Counter()
+    for r in res.records:
+        if r.ok and (h := r.headers.get("x-visual-budget-levels")):
+            header_levels.update(x.strip() for x in h.split(","))
+    v = {
+        "shed": len(shed),
+        "shed_latency_ms": load._dist([r.e2e_s for r in shed], 1e3),
+        "shed_with_retry_after": sum("retry-after" in r.headers for r in shed),
+        "other_failures": len(other),
+        "other_failure_examples": [f"{r.error_kind} {r.status}: {r.error}" for r in other[:5]],
+        "levels": level_counts(s),
+        "header_levels": dict(sorted(header_levels.items())),
+        "max_level_seen_in_metrics": max((x[1] for x in samples if x[1] is not None), default=None),
+    }
+    print(load.format_summary(s, f"--visual-budget {budget} ({mode.label()})"), flush=True)
+    print(
+        f"  shed {v['shed']} (503 latency p99 {fmt(v['shed_latency_ms']['p99'], '.0f')} ms), other failures "
+        f"{v['other_failures']}, levels {v['levels']}, header {v['header_levels']}, highest level in "
+        f"/metrics {v['max_level_seen_in_metrics']}; after: KV free {after['kv_blocks_free']:.0f}/"
+        f"{after['kv_blocks_total']:.0f} → {'no leak' if after['no_leak'] else 'LEAK'}",
+        flush=True,
+    )
+    print("  " + contention_note({budget: got["cpu"]}), flush=True)
+    run = {
+        "argv": argv,
+        "startup_s": got["startup_s"],
+        "summary": s,
+        "verdict": v,
+        "metrics_after": after,
+        "cpu": got["cpu"],
+        "level_timeline": [[round(x[0], 3), *x[1:]] for x in samples],
+    }
+    return run, res
+
+
+def overload_runs(
+    args: argparse.Namespace,
+    model: Path,
+    make_argv: ArgvFn,
+    calibrate: Callable[[], dict],
+    make_trace: Callable[[], tuple[load.Trace, load.ImageStore]],
+    log_name: Callable[[str], Path],
+    ignore_eos: bool = True,
+) -> tuple[dict | None, float, float, load.Trace, dict[str, dict], dict[str, load.RunResult]]:
+    """The rate (``offered_rate``), then the trace at it through a fresh server per ``--budgets`` entry:
+    (calibration, sustainable rate, offered rate, trace, run entries, runs)."""
+    calib, sustainable, rate = offered_rate(args, calibrate)
+    trace, images = make_trace()
+    mode = load.LoadMode(rate=rate, request_timeout_s=args.request_timeout_s)
+    print(
+        f"offered rate {rate:.4f} req/s ({len(trace.requests)} requests over "
+        f"~{trace.requests[-1].t_unit / rate:.0f} s of arrivals)",
+        file=sys.stderr,
+        flush=True,
+    )
+    runs: dict[str, dict] = {}
+    results: dict[str, load.RunResult] = {}
+    for budget in args.budgets:
+        runs[budget], results[budget] = run_budget(
+            args, budget, model, make_argv, log_name(budget), trace, images, mode, ignore_eos
+        )
+    return calib, sustainable, rate, trace, runs, results
+
+
+def budget_runs_summary(runs: dict[str, dict]) -> dict[str, dict]:
+    """The runs as results.json keeps them: without the level timelines (bulky: those go to benchmarks/out/)."""
+    return {k: {kk: vv for kk, vv in v.items() if kk != "level_timeline"} for k, v in runs.items()}
+
+
+def write_budget_bulk(
+    runs: dict[str, dict], results: dict[str, load.RunResult], bulk: Path, prefix: str = ""
+) -> None:
+    """Beside the records: the level timelines (``<prefix>level_timeline.json``), load.py's CDFs (one line per
+    budget; all runs share one rate, so no goodput-against-rate plot) and the level and queue over time
+    (``<prefix>levels.png``)."""
+    timelines = {k: v["level_timeline"] for k, v in runs.items()}
+    (bulk / f"{prefix}level_timeline.json").write_text(json.dumps(timelines) + "\n")
+    named = []
+    for budget, res in results.items():
+        mode = NamedMode(budget, res.mode)
+        mode.rate = None
+        named.append(load.RunResult(mode, res.records, res.planned, res.duration_s))
+    load.write_plots(named, [runs[k]["summary"] for k in results], bulk)
+    plot_levels(timelines, {k: r.records for k, r in results.items()}, bulk / f"{prefix}levels.png")
+
+
+def failed_any(runs: dict[str, dict]) -> int:
+    """Exit status: 1 on a failure other than a 503, or a leaked KV block."""
+    return int(
+        any(v["verdict"]["other_failures"] or not v["metrics_after"]["no_leak"] for v in runs.values())
+    )
 
 
 def level_counts(s: dict) -> dict[str, int]:
@@ -186,10 +326,10 @@ def run_table(rows: list[tuple[str, dict, dict]]) -> str:
     for name, s, v in rows:
         levels = ", ".join(f"L{k}×{n}" for k, n in sorted(v["levels"].items())) or "-"
         lines.append(
-            f"| {name} | {s['ok']}/{s['sent']} | {v['shed']} | {_fmt(v['shed_latency_ms']['p99'], '.0f')} "
-            f"| {v['other_failures']} | {_fmt(s['goodput'], '.4f')} | {s['slo']['met']}/{s['sent']} "
-            f"| {s['request_throughput']:.4f} | {_fmt(s['ttft_ms']['p50'], '.0f')} | {_fmt(s['ttft_ms']['p99'], '.0f')} "
-            f"| {_fmt(s['tpot_ms']['p50'], '.1f')} | {_fmt(s['visual_tokens_per_image']['mean'], '.0f')} | {levels} |"
+            f"| {name} | {s['ok']}/{s['sent']} | {v['shed']} | {fmt(v['shed_latency_ms']['p99'], '.0f')} "
+            f"| {v['other_failures']} | {fmt(s['goodput'], '.4f')} | {s['slo']['met']}/{s['sent']} "
+            f"| {s['request_throughput']:.4f} | {fmt(s['ttft_ms']['p50'], '.0f')} | {fmt(s['ttft_ms']['p99'], '.0f')} "
+            f"| {fmt(s['tpot_ms']['p50'], '.1f')} | {fmt(s['visual_tokens_per_image']['mean'], '.0f')} | {levels} |"
         )
     return "\n".join(lines)
 
@@ -224,81 +364,39 @@ def plot_levels(timelines: dict[str, list], records: dict[str, list], path: Path
     plt.close(fig)
 
 
+def calibration_trace(args: argparse.Namespace) -> load.Trace:
+    """Other images than the measured trace, and the resolution mix exactly (round-robin in proportion to the
+    weights) rather than drawn: a short random draw could be all thumbnails or all 2048×1536."""
+    trace = build_trace(args, args.calib_n, args.seed + 1000)
+    weights = load.parse_weighted(args.resolutions)
+    lo = min(weights.values())
+    cycle = [
+        name
+        for name in sorted(weights, key=lambda r: load.parse_resolution(r)[0] * load.parse_resolution(r)[1])
+        for _ in range(max(1, round(weights[name] / lo)))
+    ]
+    for i, img in enumerate(trace.images):
+        img.width, img.height = load.parse_resolution(cycle[i % len(cycle)])
+    return trace
+
+
 def main_run(args: argparse.Namespace) -> int:
     model = ensure_checkpoint(args.preset, args.checkpoint_seed, args.model)
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    calib = None
-    sustainable = args.sustainable_rate
-    if args.rate is None and sustainable is None:
-        calib = calibrate(args, model)
-        sustainable = calib["sustainable_rate"]
-        print(f"sustainable rate at full resolution: {sustainable:.4f} req/s", flush=True)
-    rate = args.rate if args.rate is not None else args.overload_factor * sustainable
-    trace = make_trace(args, args.num_requests, args.seed)
-    images = prepare_images(trace)
-    load.save_trace(trace, out_dir / "trace.json")
-    mode = load.LoadMode(rate=rate, request_timeout_s=args.request_timeout_s)
-    print(
-        f"offered rate {rate:.4f} req/s ({len(trace.requests)} requests over "
-        f"~{trace.requests[-1].t_unit / rate:.0f} s of arrivals)",
-        file=sys.stderr,
-        flush=True,
-    )
 
-    runs: dict[str, dict] = {}
-    results, summaries, recs = [], [], {}
-    for budget in args.budgets:
-        port = free_port()
-        argv = vlmserve_argv(model, port, server_extra(args, budget))
-        with ServerProcess(f"vlmserve {budget}", argv, port, LOG_DIR / f"{budget}.log") as server:
-            server.start(args.startup_timeout_s)
-            with CpuMeter(server.pgid) as meter:
-                res, s, samples = asyncio.run(
-                    measured_run(
-                        server.base_url, trace, images, mode, args.warmup, args.slo_ttft_ms, args.slo_tpot_ms
-                    )
-                )
-            after = asyncio.run(settled_metrics(server.base_url))
-        shed = [r for r in res.records if r.status == 503 and r.error_kind == "http"]
-        other = [r for r in res.records if not r.ok and r not in shed]
-        header_levels = Counter()
-        for r in res.records:
-            if r.ok and (h := r.headers.get("x-visual-budget-levels")):
-                header_levels.update(x.strip() for x in h.split(","))
-        v = {
-            "shed": len(shed),
-            "shed_latency_ms": load._dist([r.e2e_s for r in shed], 1e3),
-            "shed_with_retry_after": sum("retry-after" in r.headers for r in shed),
-            "other_failures": len(other),
-            "other_failure_examples": [f"{r.error_kind} {r.status}: {r.error}" for r in other[:5]],
-            "levels": level_counts(s),
-            "header_levels": dict(sorted(header_levels.items())),
-            "max_level_seen_in_metrics": max((x[1] for x in samples if x[1] is not None), default=None),
-        }
-        print(load.format_summary(s, f"--visual-budget {budget} ({mode.label()})"), flush=True)
-        print(
-            f"  shed {v['shed']} (503 latency p99 {_fmt(v['shed_latency_ms']['p99'], '.0f')} ms), other failures "
-            f"{v['other_failures']}, levels {v['levels']}, header {v['header_levels']}, highest level in "
-            f"/metrics {v['max_level_seen_in_metrics']}; after: KV free {after['kv_blocks_free']:.0f}/"
-            f"{after['kv_blocks_total']:.0f} → {'no leak' if after['no_leak'] else 'LEAK'}",
-            flush=True,
+    def calibrate() -> dict:
+        trace = calibration_trace(args)
+        return calibrate_with(
+            args, model, vlmserve_argv, trace, prepare_images(trace), LOG_DIR / "calibration.log"
         )
-        print("  " + contention_note({budget: meter.result}), flush=True)
-        runs[budget] = {
-            "argv": argv,
-            "startup_s": server.startup_s,
-            "summary": s,
-            "verdict": v,
-            "metrics_after": after,
-            "cpu": meter.result,
-            "level_timeline": [[round(x[0], 3), *x[1:]] for x in samples],
-        }
-        named = NamedMode(budget, res.mode)
-        named.rate = None  # both runs share one rate: no goodput-against-rate plot
-        results.append(load.RunResult(named, res.records, res.planned, res.duration_s))
-        summaries.append(s)
-        recs[budget] = res.records
+
+    def make_trace() -> tuple[load.Trace, load.ImageStore]:
+        trace = build_trace(args)
+        return trace, prepare_images(trace)
+
+    calib, sustainable, rate, trace, runs, results = overload_runs(
+        args, model, vlmserve_argv, calibrate, make_trace, lambda budget: LOG_DIR / f"{budget}.log"
+    )
 
     ratio = ratio_met = None
     if "fixed" in runs and "adaptive" in runs:
@@ -306,12 +404,10 @@ def main_run(args: argparse.Namespace) -> int:
         ratio = a["goodput"] / f["goodput"] if f["goodput"] else (float("inf") if a["goodput"] else None)
         fm, am = f["slo"]["met"], a["slo"]["met"]
         ratio_met = am / fm if fm else (float("inf") if am else None)
-    label = f"{args.preset} preset" if not args.model else str(model)
-    if args.preset == "tiny" and not args.model:
-        label += " (SMOKE RUN: tiny preset)"
+    label = checkpoint_label(args, model)
     header = (
         f"checkpoint: {label}; {len(trace.requests)} requests, Poisson {rate:.4f} req/s = "
-        f"{rate / sustainable if sustainable else float('nan'):.2f} × the sustainable {_fmt(sustainable, '.4f')} req/s"
+        f"{rate / sustainable if sustainable else float('nan'):.2f} × the sustainable {fmt(sustainable, '.4f')} req/s"
         f"{' (calibrated: ' + calib['mode'] + ', ' + str(calib['requests']) + ' requests)' if calib else ' (given)'}; "
         f"max_tokens {args.max_tokens} (generated in full); SLO TTFT ≤ {args.slo_ttft_ms:g} ms, "
         f"TPOT ≤ {args.slo_tpot_ms:g} ms (server --ttft-slo-ms {args.server_ttft_slo_ms:g}); "
@@ -325,7 +421,7 @@ def main_run(args: argparse.Namespace) -> int:
         )
     table = run_table([(k, v["summary"], v["verdict"]) for k, v in runs.items()])
     ratio_line = (
-        f"goodput adaptive / fixed: {_fmt(ratio)}× (requests meeting both SLOs: {_fmt(ratio_met)}×); target ≥ 2×: "
+        f"goodput adaptive / fixed: {fmt(ratio)}× (requests meeting both SLOs: {fmt(ratio_met)}×); target ≥ 2×: "
         f"{'met' if ratio is not None and min(ratio, ratio_met or 0) >= 2 else 'NOT met'}"
     )
     meters = {k: v["cpu"] for k, v in runs.items()}
@@ -343,24 +439,14 @@ def main_run(args: argparse.Namespace) -> int:
         "calibration": calib,
         "sustainable_rate": sustainable,
         "offered_rate": rate,
-        "trace": {"digest": trace.digest(), "spec": trace.spec, "path": "trace.json"},
+        "trace": trace_entry(trace, out_dir),
         "goodput_ratio": ratio,
         "met_ratio": ratio_met,
         "target": "goodput adaptive/fixed >= 2, no failure other than a fast 503",
         "contention": meters,
-        "runs": runs,
+        "runs": budget_runs_summary(runs),
     }
-    (out_dir / "results.json").write_text(json.dumps(body, indent=1, default=float) + "\n")
-    (out_dir / "records.json").write_text(
-        json.dumps({k: [r.to_json() for r in v] for k, v in recs.items()}, default=float) + "\n"
-    )
-    load.write_plots(results, summaries, out_dir)
-    plot_levels({k: v["level_timeline"] for k, v in runs.items()}, recs, out_dir / "levels.png")
     md = [
-        "# Visual budget: adaptive against fixed under overload",
-        "",
-        f"`{body['command']}` — {body['created']}",
-        "",
         header,
         "",
         table,
@@ -369,80 +455,84 @@ def main_run(args: argparse.Namespace) -> int:
         "",
         contention_note(meters),
         "",
-        f"Machine: {mach.get('cpu_model', mach['processor'])}, {mach['cpus']} CPUs, {mach.get('mem_gib')} GiB, "
-        f"no GPU; Python {mach['python']}, torch {mach.get('torch')}.",
+        machine_line(mach),
         "",
         *[f"- {k}: `{' '.join(v['argv'])}`" for k, v in runs.items()],
         "",
-        "Plots: `ttft_cdf.png`, `e2e_cdf.png`, `levels.png` (level and queue over time). Records: `records.json`.",
+        f"In `{bulk_dir(out_dir)}`: plots `ttft_cdf.png`, `e2e_cdf.png`, `levels.png` (level and queue over "
+        "time), per-request records `records.json`, the trace `trace.json`.",
     ]
-    (out_dir / "results.md").write_text("\n".join(md) + "\n")
-    print(f"wrote {out_dir}/results.json, results.md, records.json, trace.json, *.png", file=sys.stderr)
-    bad = any(v["verdict"]["other_failures"] or not v["metrics_after"]["no_leak"] for v in runs.values())
-    return 1 if bad else 0
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="visual_budget.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    bulk = write_results(
+        out_dir,
+        body,
+        "Visual budget: adaptive against fixed under overload",
+        md,
+        {k: [r.to_json() for r in v.records] for k, v in results.items()},
     )
-    p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 12 calibration requests")
-    add_common_args(p, requests="default 48; --quick 24", max_tokens="default 64; --quick 32")
-    p.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
-    p.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-resolution rate")
-    p.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
-    p.add_argument("--calib-n", type=int, help="calibration requests (default 24; --quick 12)")
-    p.add_argument(
+    load.save_trace(trace, bulk / "trace.json")
+    write_budget_bulk(runs, results, bulk)
+    return failed_any(runs)
+
+
+def add_overload_args(
+    g: argparse._ActionsContainer, *, slo_ttft_ms: float, calib_clients: int, budgets: str
+) -> None:
+    """The overload options this script shares with quality_vs_budget.py (``finish_overload_args`` after)."""
+    g.add_argument("--rate", type=float, help="offered rate (req/s); skips calibration")
+    g.add_argument("--sustainable-rate", type=float, help="skip calibration: the full-budget rate")
+    g.add_argument("--overload-factor", type=float, default=2.0, help="offered = factor × sustainable")
+    g.add_argument(
         "--calib-clients",
         type=int,
-        default=8,
+        default=calib_clients,
         help="calibration concurrency (closed loop; a short run at high concurrency ends in one bunched wave "
         "and underestimates the rate, so keep --calib-n at 3× this or more)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=500.0)
-    p.add_argument(
+    g.add_argument("--slo-ttft-ms", type=float, default=slo_ttft_ms)
+    g.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    g.add_argument(
         "--server-ttft-slo-ms", type=float, help="the server's --ttft-slo-ms (default: --slo-ttft-ms)"
     )
-    p.add_argument(
+    g.add_argument(
         "--no-server-tpot",
         action="store_true",
         help="do not pass --slo-tpot-ms to the servers as --tpot-slo-ms (prefill beside decodes uncapped)",
     )
-    p.add_argument("--max-queued-requests", type=int, help="passed to both servers")
-    p.add_argument("--max-queued-tokens", type=int, help="passed to both servers")
-    p.add_argument(
-        "--budgets", default="fixed,adaptive", help="which runs, in order: fixed, fixed+admission, adaptive"
+    g.add_argument("--max-queued-requests", type=int, help="passed to every server")
+    g.add_argument("--max-queued-tokens", type=int, help="passed to every server")
+    g.add_argument(
+        "--budgets",
+        default=budgets,
+        help="which runs, in order: fixed, fixed+admission (a fixed budget with --slo-admission), adaptive",
     )
+
+
+def finish_overload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
+    args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if bad := set(args.budgets) - set(BUDGETS):
+        p.error(f"unknown budgets {sorted(bad)}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = arg_parser("visual_budget.py", __doc__)
+    p.add_argument("--quick", action="store_true", help="24 requests, max_tokens 32, 12 calibration requests")
+    add_common_args(p, requests="default 48; --quick 24", max_tokens="default 64; --quick 32")
+    p.add_argument("--calib-n", type=int, help="calibration requests (default 24; --quick 12)")
+    add_overload_args(p, slo_ttft_ms=10000.0, calib_clients=8, budgets="fixed,adaptive")
     p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
     p.add_argument("--out-dir", default=str(RESULTS_DIR / "visual_budget"))
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (24 if args.quick else 48)
     args.max_tokens = args.max_tokens or (32 if args.quick else 64)
     args.calib_n = args.calib_n or (12 if args.quick else 24)
-    args.server_ttft_slo_ms = args.server_ttft_slo_ms or args.slo_ttft_ms
-    args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if bad := set(args.budgets) - set(BUDGETS):
-        p.error(f"unknown budgets {sorted(bad)}")
+    finish_overload_args(p, args)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import signal
-
     args = parse_args(argv)
-
-    def on_term(signum, frame) -> None:  # SIGTERM: unwind like Ctrl-C, so the server is stopped
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    try:
-        return main_run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: server stopped, nothing written for the unfinished run", file=sys.stderr)
-        return 130
+    return run_main(lambda: main_run(args))
 
 
 if __name__ == "__main__":
