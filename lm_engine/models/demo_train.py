@@ -181,6 +181,13 @@ class TrainConfig:
     # the tools rows' mean loss weighted by this in a step's loss; only 1 measured (a run at 4 was stopped at step
     # 121 of 300 on a contended machine, before any held-out figure)
     tool_weight: float = 1.0
+    # in a tools row, a call's argument values (the tokens read from the picture) weigh this many times a token
+    # of the frame (the block, the name, the keys: copied from the prompt, and written by the grammar under
+    # tool_choice "required"); the rows' loss is the weighted mean
+    tool_value_weight: float = 1.0
+    # the picture kinds of the tools rows (the plain rows keep KIND_WEIGHTS): phase 2's mix shows a single shape
+    # 15 % of the time, so a function of colour and shape met a picture it fits in ~1 tools row in 30
+    tool_kinds: tuple[tuple[str, float], ...] = (("single", 0.15), ("many", 0.4), ("number", 0.45))
     # matmuls under bfloat16 autocast ("bfloat16"), in float32, or "auto": bfloat16 where this CPU's
     # start-up probe finds it fast (AVX512-BF16, AMX), float32 where it would be emulated (AVX2 only:
     # 30-100× slower). The shipped checkpoint was trained under bfloat16 autocast.
@@ -233,6 +240,14 @@ class Encoder:
     def answer(self, text: str) -> list[int]:
         return [*self.tok.encode(text, add_special_tokens=False).ids, self.end]
 
+    def answer_weights(self, text: str, value_weight: float) -> list[float]:
+        """Per token of :meth:`answer`: ``value_weight`` for a token that overlaps an argument's value in a
+        ``<tool_call>`` block (what the picture shows), 1 for every other (the frame, the end of turn)."""
+        enc = self.tok.encode(text, add_special_tokens=False)
+        spans = value_spans(text)
+        weights = [value_weight if any(a < e and s < b for s, e in spans) else 1.0 for a, b in enc.offsets]
+        return [*weights, 1.0]
+
     def pixels(self, ex: tasks.Example, max_pixels: int):
         from preprocess.image import preprocess, preprocess_picture
 
@@ -243,6 +258,26 @@ class Encoder:
         return torch.from_numpy(p.patches), p.grid_thw
 
 
+def value_spans(text: str) -> list[tuple[int, int]]:
+    """The character spans of the argument values in ``text``'s ``<tool_call>`` blocks as
+    ``tool_prompt.call_block`` writes them (a string's without its quotes); none for plain text."""
+    spans = []
+    start = 0
+    while (opened := text.find("<tool_call>\n", start)) >= 0:
+        body = opened + len("<tool_call>\n")
+        end = text.find("\n</tool_call>", body)
+        at = text.index('"arguments": ', body)
+        for key, value in json.loads(text[body:end])["arguments"].items():
+            written = json.dumps(value, ensure_ascii=False)
+            at = text.index(f"{json.dumps(key, ensure_ascii=False)}: {written}", at, end)
+            at += len(json.dumps(key, ensure_ascii=False)) + 2
+            quoted = isinstance(value, str)
+            spans.append((at + quoted, at + len(written) - quoted))
+            at += len(written)
+        start = end
+    return spans
+
+
 def make_batch(
     enc: Encoder,
     examples: list[tasks.Example],
@@ -251,6 +286,7 @@ def make_batch(
     sequences=True,
     asks: list[tuple[str, list[tuple[str, str]]]] | None = None,
     targets: bool = True,
+    value_weight: float = 1.0,
 ) -> dict:
     """One step's tensors: the images' patches and, per image, one row holding its prompt's shared prefix
     (system turn and image) once, then each question it answers with its answer, one block each (``block``:
@@ -260,6 +296,7 @@ def make_batch(
     ``sequences=False`` the images and the auxiliary targets only (the tower's phase). ``asks``: per image
     (system message, [(question, reply), ...]) instead of the default system message and the task set's
     questions (the tool phase's rows); ``targets=False`` leaves out the auxiliary and pointer targets.
+    ``value_weight`` other than 1: ``label_weight`` holds each label's weight (``Encoder.answer_weights``).
 
     NOTE: one sequence per question repeated the image's tokens and the system turn 2.3 times on average:
     over 60 phase-2 batches of the shipped recipe, 191,119 real decoder positions (242,372 padded), of which
@@ -268,6 +305,7 @@ def make_batch(
     48.7 -> 43.6 s, the same mean loss to 4 digits; 2-vCPU AMX Xeon, 2026-12-04): the tower's forward and
     backward, with the dense heads, are most of a step."""
     patches, grids, rows = [], [], []
+    weights: list[list[list[float]]] = []  # per row, per block: the answer's label weights
     for i, (ex, mp) in enumerate(zip(examples, max_pixels)):
         pv, grid = enc.pixels(ex, mp)
         patches.append(pv)
@@ -283,6 +321,8 @@ def make_batch(
                 if task_filter is None or task == task_filter
             ]
         rows.append((enc.prefix(n_tok, system), [(enc.question(q), enc.answer(a)) for q, a in pairs]))
+        if value_weight != 1.0:
+            weights.append([enc.answer_weights(a, value_weight) for _, a in pairs])
     tower = {"pixel_values": torch.cat(patches), "grid_thw": torch.tensor(grids, dtype=torch.long)}
     if targets:
         tower["aux"] = aux_targets(examples) | dense_targets(examples, grids)
@@ -295,6 +335,7 @@ def make_batch(
     offset = torch.zeros(shape, dtype=torch.long)
     labels = torch.full(shape, -100, dtype=torch.long)
     label_seq = torch.full(shape, -1, dtype=torch.long)
+    label_weight = torch.ones(shape) if weights else None
     seq = 0
     pointer: list[tuple[int, int, int, int, float]] = []  # (row, query, key, head, weight)
     for row, (prefix, blocks) in enumerate(rows):
@@ -314,23 +355,30 @@ def make_batch(
             # position t predicts token t+1: the answer's tokens are predicted from the positions before them
             labels[row, end - len(answer) - 1 : end - 1] = torch.tensor(answer)
             label_seq[row, end - len(answer) - 1 : end - 1] = seq
+            if label_weight is not None:
+                label_weight[row, end - len(answer) - 1 : end - 1] = torch.tensor(weights[row][k - 1])
             first = end - len(answer) - 1  # the position predicting the answer's first token
             pointer.extend((row, first + j, key, head, w) for j, key, head, w in looks[k - 1])
             start, seq = end, seq + 1
-    return tower | {
-        "input_ids": ids,
-        "block": block,
-        "offset": offset,
-        "labels": labels,
-        "label_seq": label_seq,
-        "sequences": seq,
-        "pointer": {
-            name: torch.tensor(
-                [t[i] for t in pointer], dtype=torch.float32 if name == "weight" else torch.long
-            )
-            for i, name in enumerate(("row", "query", "key", "head", "weight"))
-        },
-    }
+    extra = {} if label_weight is None else {"label_weight": label_weight}
+    return (
+        tower
+        | extra
+        | {
+            "input_ids": ids,
+            "block": block,
+            "offset": offset,
+            "labels": labels,
+            "label_seq": label_seq,
+            "sequences": seq,
+            "pointer": {
+                name: torch.tensor(
+                    [t[i] for t in pointer], dtype=torch.float32 if name == "weight" else torch.long
+                )
+                for i, name in enumerate(("row", "query", "key", "head", "weight"))
+            },
+        }
+    )
 
 
 # The decoder's supervised pointer (``TrainConfig.pointer_weight``): two heads of one layer are taught where to
@@ -1021,7 +1069,13 @@ def forward(
     seen = {} if aux is not None and pointer_weight else None
     logits, where = answer_logits(model, batch, feats, seen)
     target = batch["labels"][where]
-    loss = torch.nn.functional.cross_entropy(logits, target)
+    if "label_weight" in batch:
+        weight = batch["label_weight"][where]
+        loss = (
+            torch.nn.functional.cross_entropy(logits, target, reduction="none") * weight
+        ).sum() / weight.sum()
+    else:
+        loss = torch.nn.functional.cross_entropy(logits, target)
     misses = (logits.argmax(-1) != target).long()
     exact = (
         torch.zeros(batch["sequences"], dtype=torch.long).index_add_(0, batch["label_seq"][where], misses)
@@ -1242,6 +1296,8 @@ PHASE2_ONLY = frozenset(
         "tool_images",
         "tool_lr",
         "tool_weight",
+        "tool_value_weight",
+        "tool_kinds",
     )
 )
 SNAPSHOT_FILE = "tower_phase.pt"
@@ -1353,6 +1409,7 @@ class ToolBatches:
         enc = Encoder(self.dir)
         fractions, shares = zip(*self.cfg.budget_mix)
         kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
+        tool_kinds, tool_weights = zip(*self.cfg.tool_kinds)
         per_batch, n_tools = self.cfg.batch_images, self.cfg.tool_images
         for b in range(self.cfg.tool_steps):
             rng = random.Random(f"vlmserve-demo-batch-tools:{self.cfg.seed}:{b}")
@@ -1361,7 +1418,10 @@ class ToolBatches:
             # task-set indices from 2 * 10**9 up: pictures neither earlier phase drew
             examples = [
                 tasks.sample(
-                    self.cfg.seed, 2 * 10**9 + b * per_batch + j, rng.choices(kinds, weights)[0], picture=True
+                    self.cfg.seed,
+                    2 * 10**9 + b * per_batch + j,
+                    rng.choices(*((tool_kinds, tool_weights) if j < n_tools else (kinds, weights)))[0],
+                    picture=True,
                 )
                 for j in range(per_batch)
             ]
@@ -1372,7 +1432,14 @@ class ToolBatches:
                 asks.append((demo_tools.system_text(tools), pairs))
             yield (
                 make_batch(enc, plain, [budget] * len(plain), targets=False),
-                make_batch(enc, with_tools, [budget] * n_tools, asks=asks, targets=False),
+                make_batch(
+                    enc,
+                    with_tools,
+                    [budget] * n_tools,
+                    asks=asks,
+                    targets=False,
+                    value_weight=self.cfg.tool_value_weight,
+                ),
             )
 
 
