@@ -232,6 +232,13 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--tool-merge",
+        type=float,
+        default=t("tool_merge"),
+        help="with --from: write base + this * (trained - base); 1 writes the trained weights (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
         "--tool-kinds",
         type=_kind_shares,
         default=t("tool_kinds"),
@@ -324,6 +331,7 @@ def train_demo_config(args: argparse.Namespace):
         tool_weight=args.tool_weight,
         tool_value_weight=args.tool_value_weight,
         tool_kinds=args.tool_kinds,
+        tool_merge=args.tool_merge,
     )
 
 

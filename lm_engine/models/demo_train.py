@@ -204,6 +204,9 @@ class TrainConfig:
     # the picture kinds of the tools rows (the plain rows keep KIND_WEIGHTS): phase 2's mix shows a single shape
     # 15 % of the time, so a function of colour and shape met a picture it fits in ~1 tools row in 30
     tool_kinds: tuple[tuple[str, float], ...] = (("single", 0.15), ("many", 0.4), ("number", 0.45))
+    # the checkpoint written is base + tool_merge * (trained - base) (``interpolate``): 1 the trained weights,
+    # less keeps more of what the base model did without tools (its number reading, its text under "auto")
+    tool_merge: float = 1.0
     # matmuls under bfloat16 autocast ("bfloat16"), in float32, or "auto": bfloat16 where this CPU's
     # start-up probe finds it fast (AVX512-BF16, AMX), float32 where it would be emulated (AVX2 only:
     # 30-100× slower). The shipped checkpoint was trained under bfloat16 autocast.
@@ -1314,6 +1317,7 @@ PHASE2_ONLY = frozenset(
         "tool_weight",
         "tool_value_weight",
         "tool_kinds",
+        "tool_merge",
     )
 )
 SNAPSHOT_FILE = "tower_phase.pt"
@@ -1513,6 +1517,7 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
     # is ~800 tokens, and the float32 [L, L] scores the matmul form keeps made a step of 6 such rows 2.5 s
     # forward and 5 s backward in the decoder against SDPA's 0.4 and 0.7 (2-vCPU Zen 4 EPYC with AVX512-BF16).
     model = load_model(base, "sdpa")
+    start = {k: v.clone() for k, v in model.state_dict().items()} if cfg.tool_merge != 1.0 else None
     model.model.visual.requires_grad_(False)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -1558,6 +1563,8 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
                 + " ".join(f"{t} {a:.2f}" for t, a in acc.items())
                 + f" tool-call {calls:.2f}"
             )
+    if start is not None:
+        model.load_state_dict(interpolate(start, model.state_dict(), cfg.tool_merge))
     save_weights(model, out)
     meta = {
         "train_config": dataclasses.asdict(cfg),
@@ -1574,6 +1581,18 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
     }
     (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
+    return out
+
+
+def interpolate(base: dict, trained: dict, alpha: float) -> dict:
+    """``base + alpha * (trained - base)`` per tensor, in float32, from the trained weights as the checkpoint
+    stores them (rounded to its dtype first): merging a written checkpoint with its base gives the same bytes
+    as ``tool_merge`` in the run that wrote it."""
+    dtype = getattr(torch, PRESETS[PRESET].dtype)
+    out = {}
+    for name, b in base.items():
+        b, t = b.float(), trained[name].detach().to(dtype).float()
+        out[name] = b + alpha * (t - b)
     return out
 
 

@@ -41,7 +41,7 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
     assert main(["train-demo", "--out", out]) == 0
     assert main(["train-demo", "--out", out, "--from", kept, "--tool-steps", "7", "--seed", "2"]) == 0
     tool_flags = ["--tool-images", "4", "--tool-lr", "2e-4", "--tool-weight", "2", "--tool-value-weight", "6"]
-    tool_flags += ["--tool-kinds", "single=0.6,number=0.4"]
+    tool_flags += ["--tool-kinds", "single=0.6,number=0.4", "--tool-merge", "0.5"]
     assert main(["train-demo", "--out", out, "--from", kept, *tool_flags]) == 0
     assert calls == [
         (
@@ -68,6 +68,7 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
                 tool_weight=2.0,
                 tool_value_weight=6.0,
                 tool_kinds=(("single", 0.6), ("number", 0.4)),
+                tool_merge=0.5,
             ),
             f"from {kept}",
         ),

@@ -276,7 +276,15 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
     defaults = json.loads(json.dumps(dataclasses.asdict(demo_train.TrainConfig())))
     # a knob added later fails this until a shipped run records it: compare it apart until then, at the value
     # that leaves the shipped recipe as it was
-    for knob in ("tool_steps", "tool_images", "tool_lr", "tool_weight", "tool_value_weight", "tool_kinds"):
+    for knob in (
+        "tool_steps",
+        "tool_images",
+        "tool_lr",
+        "tool_weight",
+        "tool_value_weight",
+        "tool_kinds",
+        "tool_merge",
+    ):
         defaults.pop(knob)
     assert defaults == shipped
 
@@ -445,3 +453,17 @@ def test_pointer_loss_reads_the_layers_own_attention(encoder, monkeypatch):
     want = -(p["weight"] * torch.log(picked)).sum() / queries
     assert queries >= 3 and torch.isfinite(want)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_tool_merge_interpolates_from_the_weights_the_checkpoint_stores():
+    """``tool_merge``: alpha 0 gives the base back, 1 the trained weights as the checkpoint stores them (bf16,
+    to float32 rounding), and between them the straight line from the one to the other."""
+    base = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    trained = {k: v + 0.1 * torch.randn_like(v) for k, v in base.items()}
+    stored = {k: v.to(torch.bfloat16).float() for k, v in trained.items()}
+    for name in base:
+        assert torch.equal(demo_train.interpolate(base, trained, 0.0)[name], base[name])
+        torch.testing.assert_close(demo_train.interpolate(base, trained, 1.0)[name], stored[name])
+        merged = demo_train.interpolate(base, trained, 0.7)[name]
+        torch.testing.assert_close(merged, base[name] + 0.7 * (stored[name] - base[name]))
+        assert not torch.allclose(merged, base[name]) and not torch.allclose(merged, stored[name])
