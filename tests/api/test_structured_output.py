@@ -315,24 +315,12 @@ README_PICTURES = [
     (RED_CIRCLE, {"color": "red", "shape": "circle"}),
     (GREEN_TRIANGLE, {"color": "green", "shape": "triangle"}),
 ]
-# NOTE: the shipped demo model was never trained on the tool format and calls the red circle
-# {"color": "purple", "shape": "triangle"} (README, issue 52); strict, so shipping a model that gets it right
-# fails here until the mark goes. A tool-phase candidate that got all four right wrote broken call blocks under
-# tool_choice "auto" (test_auto_answers_in_text_or_with_a_valid_call) and lost 2.5 points of number reading:
-# its note in lm_engine/models/demo_train.py.
-UNTRAINED_MISS = pytest.mark.xfail(
-    strict=True, reason="the shipped demo model reads the red circle wrongly in a call"
-)
 
 
 @pytest.mark.parametrize(
     "question", ["Describe the image.", "What color is the shape?"], ids=["describe", "color"]
 )
-@pytest.mark.parametrize(
-    "picture, want",
-    [pytest.param(*README_PICTURES[0], marks=UNTRAINED_MISS), README_PICTURES[1]],
-    ids=["red-circle", "green-triangle"],
-)
+@pytest.mark.parametrize("picture, want", README_PICTURES, ids=["red-circle", "green-triangle"])
 def test_the_demo_model_calls_the_readme_tool_with_what_the_picture_shows(client, picture, want, question):
     """The README's tool example: ``tool_choice: "required"`` with the ``describe_shape`` tool; the grammar
     makes the call well formed, the arguments (the model's choice) say what the picture shows."""

@@ -269,24 +269,17 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
             torch.testing.assert_close(grads_three[name], 3 * grad)
         else:
             torch.testing.assert_close(grads_three[name], grad)
-    # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it
+    # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it: phases 1 and 2 as
+    # the run the tool phase started from records them, the tool phase's knobs as the tool phase does
     from lm_engine.models import demo
 
-    shipped = json.loads((demo.SHIPPED / "demo_training.json").read_text())["train_config"]
+    meta = json.loads((demo.SHIPPED / "demo_training.json").read_text())
+    assert meta["phase"] == "tools"
     defaults = json.loads(json.dumps(dataclasses.asdict(demo_train.TrainConfig())))
-    # a knob added later fails this until a shipped run records it: compare it apart until then, at the value
-    # that leaves the shipped recipe as it was
-    for knob in (
-        "tool_steps",
-        "tool_images",
-        "tool_lr",
-        "tool_weight",
-        "tool_value_weight",
-        "tool_kinds",
-        "tool_merge",
-    ):
-        defaults.pop(knob)
-    assert defaults == shipped
+    tool = {k: defaults.pop(k) for k in list(defaults) if k.startswith("tool_")}
+    assert tool == {k: v for k, v in meta["train_config"].items() if k.startswith("tool_")}
+    base = meta["from"]["training"]["train_config"]
+    assert defaults == base
 
 
 @pytest.mark.parametrize("decoder_attention", ["sdpa", "math"])
