@@ -186,7 +186,9 @@ class TrainConfig:
     #   the first recipe (Zen 4, above)       22.0 / 43.3 / 38.0 %   88.5 / 84.5 / 86.5 %
     #   these knobs, tool_merge 1            100.0 / 53.3 / 49.3 %   87.0 / 85.0 / 87.0 %
     #   these knobs, tool_merge 0.7 (shipped) 94.0 / 50.0 / 47.3 %   87.0 / 87.0 / 86.5 %
-    # tool_merge 0.5 called the README's red circle a red square (not measured further). Why the knobs: phase
+    # tool_merge 0.6 and 0.5 called the README's red circle a red square (not measured further). Under "auto" the
+    # shipped model answers "What color is the shape?" in text (red, green) but "Describe the image." with bits of
+    # the call format as text (`2}}\n1`; at 0.6 "a red square"): the next run's frame work should fix that too. Why the knobs: phase
     # 2's mix (15 % single shapes) met a function of colour and shape with a picture it fits in ~1 tools row in
     # 30, and the values were ~5 of a call's ~56 tokens. Why the merge: at tool_merge 1 numbers were read 2.5
     # points worse, and under tool_choice "auto" the model wrote garbled call blocks as text
