@@ -164,9 +164,10 @@ class TrainConfig:
     # Phase 3 (``train_tools``, ``vlmserve train-demo --from DIR``): a trained checkpoint learns the tool format.
     # ``tool_steps`` steps of ``batch_images`` pictures, ``tool_images`` of them asked with tools in the prompt
     # (demo_tools.training_request), the rest the five questions as phase 2 asks them; the vision tower frozen.
-    # NOTE: measured, not shipped (2026-12-06, a 2-vCPU Zen 4 EPYC with AVX512-BF16): from the shipped checkpoint,
-    # 300 steps, tool_weight 1, tool_kinds phase 2's mix, tool_value_weight 1, tool_merge 1 (`--tool-kinds
-    # single=0.15,many=0.4,number=0.45 --tool-value-weight 1 --tool-merge 1` now), 6.7 min uncontended (12.5 img/s, peak 1.9 GB). Held-out tool
+    # NOTE: measured, not shipped (2026-12-06, a 2-vCPU Zen 4 EPYC with AVX512-BF16): from the checkpoint then
+    # shipped, 300 steps, tool_weight 1, tool_kinds phase 2's mix, tool_value_weight 1, tool_merge 1 (`--tool-kinds
+    # single=0.15,many=0.4,number=0.45 --tool-value-weight 1 --tool-merge 1` now), 6.7 min uncontended (12.5
+    # img/s, peak 1.9 GB). Held-out tool
     # calls through the server with the grammar (`benchmarks/demo_tool_eval.py --model DIR`, 150 a group,
     # tool_choice required): README tool 22.0 %, training's names 43.3 %, unseen names 38.0 % (the shipped
     # model: 5.3, 6.7, 5.3 %); counts were right 40/63 and 30/63 in calls, numbers 15/50 and 15/50, colour and
@@ -188,8 +189,8 @@ class TrainConfig:
     #   these knobs, tool_merge 0.7 (shipped) 94.0 / 50.0 / 47.3 %   87.0 / 87.0 / 86.5 %
     # tool_merge 0.6 and 0.5 called the README's red circle a red square (not measured further). Under "auto" the
     # shipped model answers "What color is the shape?" in text (red, green) but "Describe the image." with bits of
-    # the call format as text (`2}}\n1`; at 0.6 "a red square"): the next run's frame work should fix that too. Why the knobs: phase
-    # 2's mix (15 % single shapes) met a function of colour and shape with a picture it fits in ~1 tools row in
+    # the call format as text (`2}}\n1`; at 0.6 "a red square"): the next run's frame work should fix that too.
+    # Why the knobs: phase 2's mix (15 % single shapes) met a function of colour and shape with a picture it fits in ~1 tools row in
     # 30, and the values were ~5 of a call's ~56 tokens. Why the merge: at tool_merge 1 numbers were read 2.5
     # points worse, and under tool_choice "auto" the model wrote garbled call blocks as text
     # (`<tool_call>\n{"name": "report_call>\n{"name": "repe"number"...`, nothing parsed) where the model before
