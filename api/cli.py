@@ -181,6 +181,46 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="with --from: steps of the tool phase (default: %(default)s)",
     )
     p.add_argument(
+        "--tool-images",
+        type=int,
+        default=t("tool_images"),
+        help="with --from: pictures of a step's --batch-images asked with tools (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tool-lr",
+        type=float,
+        default=t("tool_lr"),
+        help="with --from: peak learning rate (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tool-weight",
+        type=float,
+        default=t("tool_weight"),
+        help="with --from: the tools rows' loss against the plain rows' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tool-value-weight",
+        type=float,
+        default=t("tool_value_weight"),
+        help="with --from: a call's argument values against the rest of the reply in the tools rows' loss "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--tool-merge",
+        type=float,
+        default=t("tool_merge"),
+        help="with --from: write base + this * (trained - base); 1 writes the trained weights (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--tool-kinds",
+        type=_kind_shares,
+        default=t("tool_kinds"),
+        metavar="KIND=SHARE,...",
+        help="with --from: the picture kinds asked with tools, e.g. single=0.5,many=0.25,number=0.25 "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--seed", type=int, default=t("seed"), help="initialisation and task-set seed (default: %(default)s)"
     )
     p.add_argument(
@@ -234,6 +274,18 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train_demo)
 
 
+def _kind_shares(text: str) -> tuple[tuple[str, float], ...]:
+    from lm_engine.models.demo_train import KIND_WEIGHTS
+
+    out = []
+    for part in text.split(","):
+        kind, _, share = part.partition("=")
+        if kind not in KIND_WEIGHTS:
+            raise argparse.ArgumentTypeError(f"unknown kind {kind!r}; known: {', '.join(KIND_WEIGHTS)}")
+        out.append((kind, float(share)))
+    return tuple(out)
+
+
 def train_demo_config(args: argparse.Namespace):
     """The TrainConfig that ``vlmserve train-demo``'s flags ask for (every other field at its default)."""
     from lm_engine.models.demo_train import TrainConfig
@@ -248,6 +300,12 @@ def train_demo_config(args: argparse.Namespace):
         frozen_tower_blocks=args.frozen_tower_blocks,
         decoder_attention=args.decoder_attention,
         tool_steps=args.tool_steps,
+        tool_images=args.tool_images,
+        tool_lr=args.tool_lr,
+        tool_weight=args.tool_weight,
+        tool_value_weight=args.tool_value_weight,
+        tool_kinds=args.tool_kinds,
+        tool_merge=args.tool_merge,
     )
 
 

@@ -5,6 +5,8 @@ refusal a 400 naming the part of the request at fault."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
@@ -12,6 +14,7 @@ from typing import Literal
 import httpx
 import jsonschema
 import pytest
+from PIL import Image, ImageDraw
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
@@ -30,12 +33,24 @@ RED_CIRCLE = (
 MODEL = "tiny"  # the name conftest's server serves under
 
 
-def ask(question: str) -> list[dict]:
+def _green_triangle() -> str:
+    """The README's Python example's picture: a green triangle on blue-grey, 320 × 240, drawn as it draws it."""
+    picture = Image.new("RGB", (320, 240), (150, 165, 180))
+    ImageDraw.Draw(picture).polygon([(160, 40), (250, 200), (70, 200)], fill=(40, 160, 60))
+    buf = io.BytesIO()
+    picture.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+GREEN_TRIANGLE = _green_triangle()
+
+
+def ask(question: str, url: str = RED_CIRCLE) -> list[dict]:
     return [
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": RED_CIRCLE}},
+                {"type": "image_url", "image_url": {"url": url}},
                 {"type": "text", "text": question},
             ],
         }
@@ -244,11 +259,6 @@ def test_auto_parses_the_calls_the_model_writes(client):
     kw = dict(
         model=MODEL, messages=ask("What color is the shape?"), tools=TOOLS, tool_choice="auto", temperature=0
     )
-    plain = client.chat.completions.create(**kw, max_tokens=20).choices[0]
-    assert plain.message.tool_calls is None and plain.finish_reason == "stop"
-    assert (
-        plain.message.content and "<tool_call>" not in plain.message.content
-    )  # the demo was never taught tools
     kw.update(max_tokens=240, extra_body={"guided_regex": TWO_CALLS})
     whole = client.chat.completions.create(**kw).choices[0]
     calls = _calls(whole.message)
@@ -295,6 +305,53 @@ def test_tool_turns_reach_the_prompt_in_hermes_format(server):
     assert f"<|im_start|>assistant\n{call}<|im_end|>" in text
     assert '<|im_start|>user\n<tool_response>\n{"ok": true}\n</tool_response><|im_end|>' in text
     assert "<tools>" not in prompt(tools=TOOLS, tool_choice="none")
+
+
+# The README's tool: its pydantic model's schema, as the openai client sends it.
+SHAPE_TOOL = [
+    {"type": "function", "function": {"name": "describe_shape", "parameters": Shape.model_json_schema()}}
+]
+README_PICTURES = [
+    (RED_CIRCLE, {"color": "red", "shape": "circle"}),
+    (GREEN_TRIANGLE, {"color": "green", "shape": "triangle"}),
+]
+
+
+@pytest.mark.parametrize(
+    "question", ["Describe the image.", "What color is the shape?"], ids=["describe", "color"]
+)
+@pytest.mark.parametrize("picture, want", README_PICTURES, ids=["red-circle", "green-triangle"])
+def test_the_demo_model_calls_the_readme_tool_with_what_the_picture_shows(client, picture, want, question):
+    """The README's tool example: ``tool_choice: "required"`` with the ``describe_shape`` tool; the grammar
+    makes the call well formed, the arguments (the model's choice) say what the picture shows."""
+    resp = client.chat.completions.create(
+        model=MODEL, messages=ask(question, picture), tools=SHAPE_TOOL, tool_choice="required", temperature=0
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, Shape.model_json_schema())
+    assert (call.function.name, arguments) == ("describe_shape", want)
+
+
+@pytest.mark.parametrize("picture, want", README_PICTURES, ids=["red-circle", "green-triangle"])
+def test_auto_answers_in_text_or_with_a_valid_call(client, picture, want):
+    """``tool_choice: "auto"``: the model chooses; what it writes is either a text answer (no call block left in
+    it) or calls that parse, name an offered tool and validate against its parameters."""
+    for tools, question in ((SHAPE_TOOL, "Describe the image."), (TOOLS, "What color is the shape?")):
+        params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        kw = dict(
+            model=MODEL, messages=ask(question, picture), tools=tools, tool_choice="auto", temperature=0
+        )
+        choice = client.chat.completions.create(**kw, max_tokens=120).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        else:
+            assert choice.finish_reason == "stop"
+            assert choice.message.content and "<tool_call>" not in choice.message.content
 
 
 # ---------------------------------------------------------------- refusals

@@ -40,6 +40,9 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
     assert main(["train-demo", "--out", out, *flags]) == 0
     assert main(["train-demo", "--out", out]) == 0
     assert main(["train-demo", "--out", out, "--from", kept, "--tool-steps", "7", "--seed", "2"]) == 0
+    tool_flags = ["--tool-images", "4", "--tool-lr", "2e-4", "--tool-weight", "2", "--tool-value-weight", "6"]
+    tool_flags += ["--tool-kinds", "single=0.6,number=0.4", "--tool-merge", "0.5"]
+    assert main(["train-demo", "--out", out, "--from", kept, *tool_flags]) == 0
     assert calls == [
         (
             out,
@@ -57,7 +60,21 @@ def test_train_demo_flags_map_to_the_train_config(monkeypatch, tmp_path):
         ),
         (out, TrainConfig(), None),
         (out, TrainConfig(seed=2, tool_steps=7), f"from {kept}"),
+        (
+            out,
+            TrainConfig(
+                tool_images=4,
+                tool_lr=2e-4,
+                tool_weight=2.0,
+                tool_value_weight=6.0,
+                tool_kinds=(("single", 0.6), ("number", 0.4)),
+                tool_merge=0.5,
+            ),
+            f"from {kept}",
+        ),
     ]
+    with pytest.raises(SystemExit):
+        main(["train-demo", "--out", out, "--from", kept, "--tool-kinds", "squares=1"])
     with pytest.raises(SystemExit):
         main(["train-demo"])  # --out is required
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import jsonschema
 import pytest
+import torch
 from pydantic import BaseModel
 
 from lm_engine.models import demo, demo_tools
@@ -139,3 +140,26 @@ def test_eval_cases_ask_for_a_call_the_picture_answers():
             jsonschema.validate(case.arguments, fn["parameters"])
             assert all(v in _shows(case.example) for v in case.arguments.values())
         assert {c.example.kind for c in cases} == ({"single"} if names is None else set(tasks.KINDS))
+
+
+def test_value_weight_falls_on_the_values_the_picture_gives(requests):
+    """``tool_value_weight``: in a tools row the weighted labels are the call's argument values, token for token
+    (their text is the values, quotes left out), every other label (the frame, a plain answer, the end of turn)
+    weighs 1; the weighted mean equals the plain mean where the weight is 1."""
+    enc = Encoder(demo.SHIPPED)
+    budget = enc.pre.max_pixels // 4
+    for ex, tools, pairs in requests[:40]:
+        system = demo_tools.system_text(tools)
+        batch = make_batch(enc, [ex], [budget], asks=[(system, pairs)], targets=False, value_weight=4.0)
+        plain = make_batch(enc, [ex], [budget], asks=[(system, pairs)], targets=False)
+        assert "label_weight" not in plain and torch.equal(batch["labels"], plain["labels"])
+        labels, weight, block = batch["labels"][0], batch["label_weight"][0], batch["block"][0]
+        for k, (_, reply) in enumerate(pairs, start=1):
+            mine = block == k
+            heavy = labels[mine & (weight == 4.0)].tolist()
+            assert set(weight[mine & (labels != -100)].tolist()) <= {1.0, 4.0}
+            if not reply.startswith("<tool_call>"):
+                assert heavy == []
+                continue
+            arguments = json.loads(CALL.fullmatch(reply).group(1))["arguments"]
+            assert enc.tok.decode(heavy) == "".join(str(v) for v in arguments.values()), (reply, heavy)

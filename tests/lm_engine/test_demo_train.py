@@ -269,16 +269,17 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
             torch.testing.assert_close(grads_three[name], 3 * grad)
         else:
             torch.testing.assert_close(grads_three[name], grad)
-    # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it
+    # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it: phases 1 and 2 as
+    # the run the tool phase started from records them, the tool phase's knobs as the tool phase does
     from lm_engine.models import demo
 
-    shipped = json.loads((demo.SHIPPED / "demo_training.json").read_text())["train_config"]
+    meta = json.loads((demo.SHIPPED / "demo_training.json").read_text())
+    assert meta["phase"] == "tools"
     defaults = json.loads(json.dumps(dataclasses.asdict(demo_train.TrainConfig())))
-    # a knob added later fails this until a shipped run records it: compare it apart until then, at the value
-    # that leaves the shipped recipe as it was
-    for knob in ("tool_steps", "tool_images", "tool_lr", "tool_weight"):  # the tool phase's: not shipped
-        defaults.pop(knob)
-    assert defaults == shipped
+    tool = {k: defaults.pop(k) for k in list(defaults) if k.startswith("tool_")}
+    assert tool == {k: v for k, v in meta["train_config"].items() if k.startswith("tool_")}
+    base = meta["from"]["training"]["train_config"]
+    assert defaults == base
 
 
 @pytest.mark.parametrize("decoder_attention", ["sdpa", "math"])
@@ -445,3 +446,17 @@ def test_pointer_loss_reads_the_layers_own_attention(encoder, monkeypatch):
     want = -(p["weight"] * torch.log(picked)).sum() / queries
     assert queries >= 3 and torch.isfinite(want)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_tool_merge_interpolates_from_the_weights_the_checkpoint_stores():
+    """``tool_merge``: alpha 0 gives the base back, 1 the trained weights as the checkpoint stores them (bf16,
+    to float32 rounding), and between them the straight line from the one to the other."""
+    base = {"w": torch.randn(64, 32), "b": torch.randn(32)}
+    trained = {k: v + 0.1 * torch.randn_like(v) for k, v in base.items()}
+    stored = {k: v.to(torch.bfloat16).float() for k, v in trained.items()}
+    for name in base:
+        assert torch.equal(demo_train.interpolate(base, trained, 0.0)[name], base[name])
+        torch.testing.assert_close(demo_train.interpolate(base, trained, 1.0)[name], stored[name])
+        merged = demo_train.interpolate(base, trained, 0.7)[name]
+        torch.testing.assert_close(merged, base[name] + 0.7 * (stored[name] - base[name]))
+        assert not torch.allclose(merged, base[name]) and not torch.allclose(merged, stored[name])
