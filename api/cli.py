@@ -132,7 +132,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from lm_engine.models import qwen2_vl_make, qwen3_vl_make
+    from tools import qwen2_vl_make, qwen3_vl_make
 
     t0 = time.perf_counter()
     # A published shape stands for one family: it picks --family, and a contradicting one is refused.
@@ -152,7 +152,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
-    from lm_engine.models.demo_train import TrainConfig
+    from tools.demo_train import TrainConfig
 
     t = functools.partial(flags.default, TrainConfig)
     p = sub.add_parser(
@@ -275,7 +275,7 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _kind_shares(text: str) -> tuple[tuple[str, float], ...]:
-    from lm_engine.models.demo_train import KIND_WEIGHTS
+    from tools.demo_train import KIND_WEIGHTS
 
     out = []
     for part in text.split(","):
@@ -288,7 +288,7 @@ def _kind_shares(text: str) -> tuple[tuple[str, float], ...]:
 
 def train_demo_config(args: argparse.Namespace):
     """The TrainConfig that ``vlmserve train-demo``'s flags ask for (every other field at its default)."""
-    from lm_engine.models.demo_train import TrainConfig
+    from tools.demo_train import TrainConfig
 
     return TrainConfig(
         seed=args.seed,
@@ -310,8 +310,8 @@ def train_demo_config(args: argparse.Namespace):
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
-    from lm_engine.models import demo_train
     from runtime import memory
+    from tools import demo_train
 
     # From a command line: run again under jemalloc where it is installed (memory.jemalloc_relaunch).
     if args.command_line is not None:
@@ -332,7 +332,7 @@ def cmd_train_demo(args: argparse.Namespace) -> int:
 def _demo_conversations() -> list[tuple[list[dict], str | None]]:
     """(conversation, expected answer): a text prompt, and the task set's questions about three of its images
     (the demo model's; any other model answers them as it can)."""
-    from lm_engine.models import demo_tasks
+    from tools import demo_tasks
 
     convs: list[tuple[list[dict], str | None]] = [
         ([{"role": "user", "content": "Write one sentence about paged attention."}], None)
@@ -439,7 +439,7 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
 
 def default_checkpoint() -> str:
     """The checkpoint ``vlmserve serve`` loads without ``--model``: the embedded demo model."""
-    from lm_engine.models.demo import demo_checkpoint
+    from tools.demo import demo_checkpoint
 
     return str(demo_checkpoint())
 

@@ -113,7 +113,7 @@ def main() -> None:
 def run(model: str | None, max_new: int, device: str) -> dict:
     """The whole comparison; prints the table and returns the record (also written to results.json)."""
     if model is None:
-        from lm_engine.models.qwen2_vl_make import make_checkpoint
+        from tools.qwen2_vl_make import make_checkpoint
 
         model = str(make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0))
     t0 = time.perf_counter()

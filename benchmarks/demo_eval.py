@@ -33,9 +33,9 @@ from collections import Counter, defaultdict
 import torch
 
 from benchmarks.quality_vs_budget import level_name, model_ladder, resolve_model
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_train
 from preprocess.grid import smart_resize
+from tools import demo_tasks as tasks
+from tools import demo_train
 
 GLYPH_BINS = (12, 16, 24, 40)  # px: the bins' edges
 BIN_NAMES = ("<12", "12-16", "16-24", "24-40", ">=40")

@@ -5,7 +5,7 @@ plus one linear head on each image's mean merged embedding to classify circle / 
 prints the batch accuracy every 20 steps (each batch is unseen: the accuracy before the update is a
 held-out figure). Two image sources:
 
-- ``--images task``: the task set's single-shape images (``lm_engine/models/demo_tasks.py``: colours on
+- ``--images task``: the task set's single-shape images (``tools/demo_tasks.py``: colours on
   neutral backgrounds, 64-1024 px, any aspect ratio, JPEG/PNG), preprocessed at ``--max-pixels``;
 - ``--images easy``: a black shape on white, 112 x 112, radius 20-40 px.
 
@@ -58,7 +58,7 @@ def easy_image(rng: random.Random) -> tuple[bytes, int]:
 
 def vary_task_set(black_on_white: bool, radius: str | None) -> None:
     """Change one property of the task set's single-shape images, in this process only."""
-    from lm_engine.models import demo_tasks as tasks
+    from tools import demo_tasks as tasks
 
     if black_on_white:
         tasks.COLORS = {"black": (20, 20, 20)}
@@ -107,10 +107,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from lm_engine.models import demo_tasks as tasks
-    from lm_engine.models import demo_train
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
     from preprocess.image import preprocess
+    from tools import demo_tasks as tasks
+    from tools import demo_train
+    from tools.qwen2_vl_make import make_checkpoint
 
     torch.set_num_threads(2)
     ckpt = make_checkpoint(Path(tempfile.mkdtemp(prefix="demo-probe-")), preset=demo_train.PRESET)

@@ -6,7 +6,7 @@ call is right when its arguments equal what the picture shows.
     .venv/bin/python benchmarks/demo_tool_eval.py --model DIR --per-group 150
 
 Three groups of ``--per-group`` requests on pictures of ``--seed`` 50000 (a seed nothing else draws from),
-built by ``lm_engine/models/demo_tools.py``'s ``eval_cases``: ``readme``, the README's ``describe_shape`` tool
+built by ``tools/demo_tool_calls.py``'s ``eval_cases``: ``readme``, the README's ``describe_shape`` tool
 (its pydantic ``Shape`` schema) on single shapes asked "Describe the image."; ``seen``, functions named, worded
 and laid out as train-demo's tool phase makes them (one picture kind in three each: single shapes, several
 shapes, numbers; a second function that does not fit the picture 30 % of the time; one of the questions or a
@@ -41,8 +41,8 @@ from benchmarks.harness import (
     vlmserve_here_argv,
 )
 from benchmarks.quality_vs_budget import resolve_model
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_tools
+from tools import demo_tasks as tasks
+from tools import demo_tool_calls as demo_tools
 
 GROUPS = {"readme": None, "seen": demo_tools.TRAINING, "unseen": demo_tools.UNSEEN}
 

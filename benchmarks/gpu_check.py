@@ -50,7 +50,7 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 
 def tiny_checkpoint() -> Path:
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from tools.qwen2_vl_make import make_checkpoint
 
     return make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", preset="tiny", seed=0)
 
@@ -226,7 +226,7 @@ def check_syncs(ckpt: Path) -> None:
 
 
 # -- 5. serve --------------------------------------------------------------------------------------------
-SERVE_SEED = 30_000  # tests/lm_engine/test_shipped_demo.py's fixed images
+SERVE_SEED = 30_000  # tests/tools/test_shipped_demo.py's fixed images
 
 
 def check_serve() -> None:
@@ -234,7 +234,7 @@ def check_serve() -> None:
 
     from benchmarks.harness import ServerProcess, free_port, vlmserve_here_argv
     from benchmarks.quality_vs_budget import data_url
-    from lm_engine.models import demo_tasks as tasks
+    from tools import demo_tasks as tasks
 
     port = free_port()
     # no --model: the embedded demo model, as `vlmserve serve` serves by default
@@ -294,7 +294,7 @@ def _timed(fn, device: torch.device) -> tuple[object, float]:
 
 def check_encoder() -> None:
     from benchmarks.encoder_throughput import build_towers
-    from lm_engine.models import qwen2_vl_make, qwen3_vl_make
+    from tools import qwen2_vl_make, qwen3_vl_make
 
     device = torch.device(DEVICE)
     # float32 means float32 here: no TF32 in transformers' patch convolution or either side's matmuls

@@ -52,7 +52,7 @@ def ensure_checkpoint(
         return path
     path = OUT_DIR / (f"{preset}-seed{seed}" if family == "qwen2_vl" else f"{preset}-{family}-seed{seed}")
     if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
-        from lm_engine.models import qwen2_vl_make, qwen3_vl_make
+        from tools import qwen2_vl_make, qwen3_vl_make
 
         t = time.perf_counter()
         print(f"generating the {preset} {family} preset into {path} (once)", file=sys.stderr, flush=True)

@@ -121,10 +121,10 @@ def request_images() -> dict[str, bytes]:
 
 def per_request(repeats: int) -> dict[str, dict]:
     """``process_image`` per image (ms) under each algorithm, on the shipped demo checkpoint's processor."""
-    from lm_engine.models.demo import demo_checkpoint
     from lm_engine.models.registry import load_model_config
     from lm_engine.processor import InputProcessor
     from preprocess import PreprocessConfig
+    from tools.demo import demo_checkpoint
 
     path = demo_checkpoint()
     cfg, pp = load_model_config(path), PreprocessConfig.from_checkpoint(path)

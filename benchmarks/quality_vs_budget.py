@@ -1,7 +1,7 @@
 """What each visual budget level costs in answers: accuracy per task per level, then correct answers per second
 under overload, adaptive against fixed budgets, on the demo model and its synthetic task set.
 
-**Accuracy** (``accuracy.*``): a freshly generated evaluation set (``lm_engine/models/demo_tasks.py``,
+**Accuracy** (``accuracy.*``): a freshly generated evaluation set (``tools/demo_tasks.py``,
 ``--seed`` 20000, a seed training never uses; ``--per-task`` images for each of the five questions) is asked
 through ``vlmserve serve`` at every level of the visual budget ladder (100 %, 50 %, 25 % of max_pixels, the
 model's minimum), as a client reaches them: level 0 with ``detail: "high"``, the lowest with ``"low"``, the
@@ -73,8 +73,8 @@ from benchmarks.visual_budget import (
     run_table,
     write_budget_bulk,
 )
-from lm_engine.models import demo_tasks
-from lm_engine.models.demo_tasks import Example, normalize
+from tools import demo_tasks
+from tools.demo_tasks import Example, normalize
 
 LOG_DIR = OUT_DIR / "quality_vs_budget"
 TASKS = demo_tasks.TASKS

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from benchmarks.real_size import cpu_info
-from lm_engine.models.qwen2_vl_make import PRESETS
 from runtime import linear as packing
+from tools.qwen2_vl_make import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 

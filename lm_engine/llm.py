@@ -17,17 +17,13 @@ from runtime.memory import bound_native_caches
 class LLM:
     """``LLM(model=DIR, **engine options).chat(conversations, SamplingParams(...))``.
 
-    With ``model=None`` it serves the embedded demo model (``lm_engine/models/demo.py``).
+    ``model``: a checkpoint directory (the embedded demo model's is ``tools.demo.demo_checkpoint()``).
     """
 
-    def __init__(self, model: str | None = None, **kwargs) -> None:
+    def __init__(self, model: str, **kwargs) -> None:
         # NOTE: before the engine's warm-up runs the first matmul, as `vlmserve serve` and `batch` do; it keeps
         # what the environment already sets, so a second LLM (or a caller's own call) changes nothing.
         bound_native_caches()
-        if model is None:
-            from lm_engine.models.demo import demo_checkpoint
-
-            model = str(demo_checkpoint())
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:

@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` Qwen2-VL test checkpoint (seed 0), built once per test session."""
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from tools.qwen2_vl_make import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), preset="tiny", seed=0)
 
@@ -39,7 +39,7 @@ def hf_oracle(tiny_ckpt: Path) -> HFOracle:
 def tiny25_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` Qwen2.5-VL test checkpoint (seed 0): window attention (8-patch windows), one full-attention
     block, RMSNorm and the gated MLP in the tower; built once per test session."""
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from tools.qwen2_vl_make import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("tiny25_ckpt"), preset="tiny", seed=0, family="qwen2_5_vl")
 

@@ -7,8 +7,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# lowest first: the CPU runtime, preprocessing, the embedding cache, the encoder, the language engine, the API
-ROOMS = ["runtime", "preprocess", "cache", "encoder", "lm_engine", "api"]
+# lowest first: the CPU runtime, preprocessing, the embedding cache, the encoder, the language engine, what
+# makes models (checkpoint makers, the demo model's training), the API
+ROOMS = ["runtime", "preprocess", "cache", "encoder", "lm_engine", "tools", "api"]
 
 
 def _modules() -> dict[str, Path]:

@@ -254,8 +254,8 @@ def test_tools_in_batch_lines_give_parsed_calls(tmp_path):
     import jsonschema
     from openai.types.chat import ChatCompletion
 
-    from lm_engine.models import demo
     from tests.api.test_structured_output import PARAMS, TOOLS, TWO_CALLS, ask
+    from tools import demo
 
     question = ask("What color is the shape?")
     named = {"type": "function", "function": {"name": "count_shapes"}}

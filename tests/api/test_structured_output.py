@@ -18,10 +18,10 @@ from PIL import Image, ImageDraw
 from pydantic import BaseModel
 from tokenizers import Tokenizer
 
-from lm_engine.models import demo
 from tests.api.conftest import start_server
 from tests.structured_schemas import COLORS, SCHEMAS, SHAPES
 from tests.support import is_idle
+from tools import demo
 
 # The README's picture: a red circle on grey, 96 × 96.
 RED_CIRCLE = (

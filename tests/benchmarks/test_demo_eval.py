@@ -9,8 +9,8 @@ import numpy as np
 from PIL import Image
 
 from benchmarks.demo_eval import seen_glyph_height
-from lm_engine.models import demo_tasks
 from preprocess.grid import smart_resize
+from tools import demo_tasks
 
 MIN_PIXELS, FULL = 12_544, 100_352
 

@@ -18,12 +18,12 @@ from benchmarks.quality_vs_budget import (
     score,
     task_trace,
 )
-from lm_engine.models import demo_tasks
+from tools import demo_tasks
 
 
 def test_without_model_it_measures_what_serve_loads_without_one(tmp_path, monkeypatch):
     import api.cli
-    from lm_engine.models import demo
+    from tools import demo
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(demo, "demo_checkpoint", lambda: tmp_path)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from lm_engine import LLM, SamplingParams, prefix_cache
-from lm_engine.models.qwen2_vl_make import make_checkpoint
 from tests.support import HFOracle, image_part, make_image, mixed_requests, user
+from tools.qwen2_vl_make import make_checkpoint
 
 MAX_NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)

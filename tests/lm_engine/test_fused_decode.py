@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from lm_engine import LLM, SamplingParams
-from lm_engine.models import demo, qwen3_vl_make
-from lm_engine.models import qwen2_vl_make as base
 from runtime import linear as packing
 from tests.support import image_part, make_image, user
+from tools import demo, qwen3_vl_make
+from tools import qwen2_vl_make as base
 
 FOUND = packing.skinny_library()
 pytestmark = pytest.mark.skipif(

@@ -16,10 +16,10 @@ from encoder.models import Qwen3VisionTower
 from lm_engine import LLM, SamplingParams, model_runner
 from lm_engine.models import qwen3_vl
 from lm_engine.models.qwen2_vl import MRotaryEmbedding
-from lm_engine.models.qwen3_vl_make import PRESETS, param_count
 from lm_engine.step_inputs import build_step
 from lm_engine.visual_budget import default_ladder
 from tests.support import HFOracle, image_part, make_image, mixed_requests, user
+from tools.qwen3_vl_make import PRESETS, param_count
 
 MAX_NEW = 20
 

@@ -14,7 +14,6 @@ import torch
 from tokenizers import Tokenizer
 
 from lm_engine import LLM, SamplingParams
-from lm_engine.models import demo
 from lm_engine.processor import InputError
 from lm_engine.structured import (
     GrammarMasks,
@@ -27,6 +26,7 @@ from lm_engine.structured import (
 )
 from tests.structured_schemas import COLORS, SCHEMAS, SHAPES
 from tests.support import image_part, make_image, user
+from tools import demo
 
 CONV = user(image_part(make_image(128, 96, 5)), "Describe the image.")
 # The README's picture: a red circle on grey.

@@ -45,15 +45,6 @@ from pathlib import Path
 import torch
 
 from lm_engine import tool_prompt
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_tools
-from lm_engine.models.qwen2_vl_make import (
-    PRESETS,
-    build_config,
-    make_checkpoint,
-    original_name,
-    token_ids,
-)
 from runtime.dtypes import cpu_matmul_is_fast
 from runtime.memory import (
     allocator_in_use,
@@ -61,6 +52,15 @@ from runtime.memory import (
     peak_rss_bytes,
     release_free_pages,
     rss_bytes,
+)
+from tools import demo_tasks as tasks
+from tools import demo_tool_calls as demo_tools
+from tools.qwen2_vl_make import (
+    PRESETS,
+    build_config,
+    make_checkpoint,
+    original_name,
+    token_ids,
 )
 
 PRESET = "demo"

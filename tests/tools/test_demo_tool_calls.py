@@ -15,10 +15,11 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from lm_engine.models import demo, demo_tools
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models.demo_train import Encoder, make_batch
 from lm_engine.processor import InputProcessor, normalize_messages
+from tools import demo
+from tools import demo_tasks as tasks
+from tools import demo_tool_calls as demo_tools
+from tools.demo_train import Encoder, make_batch
 
 N = 300
 CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>", re.S)

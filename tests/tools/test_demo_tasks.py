@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lm_engine.models import demo_tasks as tasks
+from tools import demo_tasks as tasks
 
 N = 300  # samples per property: every kind, format, colour, shape and count occurs
 ISSUE_QUESTIONS = {

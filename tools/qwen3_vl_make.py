@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lm_engine.models import qwen2_vl_make as base
+from tools import qwen2_vl_make as base
 
 # Qwen3-VL's template renders Qwen2-VL's turns and placeholders but adds no system turn of its own.
 CHAT_TEMPLATE = (

@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_train
-from lm_engine.models.demo_train import AttentionLayout, Encoder, make_batch
-from lm_engine.models.qwen2_vl_make import make_checkpoint, original_name
+from tools import demo_tasks as tasks
+from tools import demo_train
+from tools.demo_train import AttentionLayout, Encoder, make_batch
+from tools.qwen2_vl_make import make_checkpoint, original_name
 
 
 @pytest.fixture(scope="module")
@@ -271,7 +271,7 @@ def test_count_weight_scales_the_count_heads_loss_alone(encoder):
             torch.testing.assert_close(grads_three[name], grad)
     # the defaults are the shipped checkpoint's recipe, as its demo_training.json records it: phases 1 and 2 as
     # the run the tool phase started from records them, the tool phase's knobs as the tool phase does
-    from lm_engine.models import demo
+    from tools import demo
 
     meta = json.loads((demo.SHIPPED / "demo_training.json").read_text())
     assert meta["phase"] == "tools"

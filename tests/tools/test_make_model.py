@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, Qwen2VLConfig
 
-from lm_engine.models.qwen2_vl_make import PRESETS, SPECIAL_TOKENS, make_checkpoint, param_count, token_ids
+from tools.qwen2_vl_make import PRESETS, SPECIAL_TOKENS, make_checkpoint, param_count, token_ids
 
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 VISION = "<|vision_start|><|image_pad|><|vision_end|>"

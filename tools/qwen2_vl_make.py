@@ -546,7 +546,7 @@ def _init_spec(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     rarely near-tied. Norm weights ~1 and biases are non-zero on purpose: an engine that forgets to
     load one of them produces different tokens. Every sublayer reads a normed input and adds a bounded update,
     so the residual stream grows additively with depth (about its square root), never geometrically: at the
-    published depths (28-36 layers) its rms stays at 5-7 in bf16 (tests/lm_engine/test_published_presets.py).
+    published depths (28-36 layers) its rms stays at 5-7 in bf16 (tests/tools/test_published_presets.py).
     """
     fan_in = math.prod(shape[1:])
     module, kind = name.rsplit(".", 2)[-2:]

@@ -20,8 +20,8 @@ from transformers.core_model_loading import WeightConverter, rename_source_key
 
 from api import cli
 from lm_engine import LLM, SamplingParams
-from lm_engine.models import qwen2_vl_make, qwen3_vl_make
 from tests.support import HFOracle, image_part, make_image, user
+from tools import qwen2_vl_make, qwen3_vl_make
 
 # The released checkpoints' values, written here independently of the presets (sources: the comments at each
 # preset). Keys are transformers' attribute names on the parsed config; "vision.*" is vision_config.

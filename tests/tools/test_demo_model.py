@@ -11,11 +11,11 @@ import torch
 
 from api.cli import main
 from lm_engine import LLM, SamplingParams
-from lm_engine.models import demo_tasks as tasks
-from lm_engine.models import demo_train
-from lm_engine.models.demo_train import TrainConfig
-from lm_engine.models.qwen2_vl_make import make_checkpoint
 from tests.support import HFOracle, image_part, user
+from tools import demo_tasks as tasks
+from tools import demo_train
+from tools.demo_train import TrainConfig
+from tools.qwen2_vl_make import make_checkpoint
 
 MAX_NEW = 12
 

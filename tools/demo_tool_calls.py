@@ -19,8 +19,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from lm_engine.models import demo_tasks as tasks
 from lm_engine.tool_prompt import call_block, with_tools
+from tools import demo_tasks as tasks
 
 QUANTITIES = ("color", "shape", "count", "number")
 # what each kind of picture shows (a single shape is one shape: its count is 1)

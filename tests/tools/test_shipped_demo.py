@@ -1,4 +1,4 @@
-"""The shipped demo checkpoint (``lm_engine/models/demo_checkpoint``), what ``vlmserve serve`` loads without
+"""The shipped demo checkpoint (``tools/demo_checkpoint``), what ``vlmserve serve`` loads without
 ``--model``: the issue's bounds, answers on fixed task-set images (a broken loader, preprocessing or chat
 template shows as wrong answers), and greedy ids equal to transformers' ``generate()`` in float32, through
 chunked prefill across image spans and prefix-cache hits."""
@@ -12,9 +12,9 @@ import torch
 
 from api.cli import default_checkpoint
 from lm_engine import LLM, SamplingParams
-from lm_engine.models import demo
-from lm_engine.models import demo_tasks as tasks
 from tests.support import HFOracle, image_part, user
+from tools import demo
+from tools import demo_tasks as tasks
 
 # Images from a seed nothing else uses: training draws from seed 0, its held-out check from 10,000 and
 # benchmarks/quality_vs_budget.py from 20,000.

@@ -1,9 +1,9 @@
 """The embedded demo model: a trained checkpoint shipped in the repository, so a fresh machine needs no
 download and no training.
 
-``lm_engine/models/demo_checkpoint/`` holds what ``vlmserve train-demo`` wrote (bf16 safetensors, the tokenizer,
+``tools/demo_checkpoint/`` holds what ``vlmserve train-demo`` wrote (bf16 safetensors, the tokenizer,
 chat template and processor config); it answers the synthetic task set's five questions
-(``lm_engine/models/demo_tasks.py``). ``VLMSERVE_DEMO_PRESET=tiny|small|...`` asks for a random-weight preset
+(``tools/demo_tasks.py``). ``VLMSERVE_DEMO_PRESET=tiny|small|...`` asks for a random-weight preset
 instead, generated once into a cache directory (for load tests that want a bigger or smaller model).
 """
 
@@ -42,7 +42,7 @@ def demo_checkpoint(preset: str | None = None) -> Path:
 
 
 def random_checkpoint(preset: str) -> Path:
-    from lm_engine.models.qwen2_vl_make import make_checkpoint
+    from tools.qwen2_vl_make import make_checkpoint
 
     target = cache_dir() / f"demo-qwen2-vl-{preset}-s{DEMO_SEED}-v{DEMO_VERSION}"
     done = target / ".complete"
