@@ -18,6 +18,7 @@ first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import Mapping
@@ -147,12 +148,11 @@ class AdmissionPolicy:
         state = AdmissionState(overloaded, self.retry_after_s(signals), reason, wait)
         if not self.sheds or queued_by_client is None:
             return state
-        return AdmissionState(
-            overloaded,
-            state.retry_after_s,
-            reason,
-            wait,
-            queued_by_client=MappingProxyType(dict(queued_by_client)),
+        return dataclasses.replace(
+            state,
+            queued_by_client=MappingProxyType(
+                queued_by_client
+            ),  # a fresh dict each step, never changed again
             prefill_tokens_per_s=signals.prefill_tokens_per_s,
             admit_within_s=self.shed_low * slo,
             ttft_slo_s=slo,

@@ -10,13 +10,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encoder.models import checkpoint_dtype
+from encoder.models import checkpoint_dtype, read_config
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from runtime import cpu_kernel
 from runtime.linear import halves_split, silu_gated_halves
 from runtime.weights import iter_checkpoint_tensors
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 
 
@@ -56,9 +55,7 @@ class Qwen2VLConfig:
     def from_dir(cls, path: str | Path) -> Qwen2VLConfig:
         path = Path(path)
         cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"checkpoint {path} has no config.json")
-        raw = json.loads(cfg_file.read_text())
+        raw = read_config(path)
         archs = raw.get("architectures") or []
         # NOTE: Qwen2.5-VL's decoder and image positions are Qwen2-VL's; only its tower differs (encoder/models).
         if raw.get("model_type") not in FAMILIES and not set(archs) & set(FAMILIES.values()):

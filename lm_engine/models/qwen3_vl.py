@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from encoder.models import checkpoint_dtype
+from encoder.models import checkpoint_dtype, read_config
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.qwen2_vl import (
     MRotaryEmbedding,
@@ -61,7 +61,7 @@ class Qwen3VLConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> Qwen3VLConfig:
         path = Path(path)
-        raw = json.loads((path / "config.json").read_text())
+        raw = read_config(path)
         text, vision = raw.get("text_config") or {}, raw.get("vision_config") or {}
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         return cls(

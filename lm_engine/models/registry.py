@@ -3,12 +3,11 @@ each family's config reader and decoder class."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from torch import nn
 
-from encoder.models import family_of
+from encoder.models import family_of, read_config
 from lm_engine.models.qwen2_vl import Qwen2VLConfig, Qwen2VLDecoder
 from lm_engine.models.qwen3_vl import Qwen3VLConfig, Qwen3VLDecoder
 
@@ -24,9 +23,7 @@ ModelConfig = Qwen2VLConfig | Qwen3VLConfig
 def load_model_config(path: str | Path) -> ModelConfig:
     """The decoder config of the checkpoint at ``path``, by its family."""
     cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no config.json")
-    family = family_of(json.loads(cfg_file.read_text()))
+    family = family_of(read_config(path))
     if family not in _DECODERS:
         raise ValueError(f"{cfg_file}: no decoder for model_type {family!r}; supported: {sorted(_DECODERS)}")
     return _DECODERS[family][0].from_dir(path)
