@@ -634,13 +634,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lm_engine.config import EngineConfig
     from lm_engine.memory import NotEnoughMemory
     from lm_engine.startup import StartupPhases, process_age_s
-    from runtime.memory import bound_native_caches
+    from runtime.memory import bound_native_caches, huge_page_tensors
 
     # The time from the process's start to here (the interpreter, torch's and the server's imports) is the
     # first phase of the start-up the engine logs.
     age = process_age_s() if args.command_line is not None else None
     startup = StartupPhases(before={"imports": age} if age is not None else None)
     bound_native_caches()  # NOTE: before the engine runs its first matmul
+    huge_page_tensors()  # and before its first large tensor
     _process_settings(args)
 
     model, names = _default_model(args)
@@ -687,9 +688,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     from lm_engine.config import EngineConfig
     from lm_engine.engine import LLMEngine
     from lm_engine.memory import NotEnoughMemory
-    from runtime.memory import bound_native_caches
+    from runtime.memory import bound_native_caches, huge_page_tensors
 
     bound_native_caches()
+    huge_page_tensors()
     _process_settings(args)
 
     if not os.path.isfile(args.input):

@@ -125,10 +125,11 @@ def cmd_encoder(args: argparse.Namespace) -> int:
         except PermissionError as exc:
             print(f"vlmserve encoder: {exc}", file=sys.stderr)
             return 2
-    from runtime.memory import return_freed_buffers
+    from runtime.memory import huge_page_tensors, return_freed_buffers
 
     logging.getLogger().setLevel(logging.INFO)
     return_freed_buffers()
+    huge_page_tensors()  # NOTE: before serve_forever starts the workers, which inherit it
     if args.nice:
         os.nice(args.nice)  # NOTE: before serve_forever starts the workers, which inherit it
     serve_forever(

@@ -11,7 +11,7 @@ from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
 from lm_engine.outputs import RequestOutput
 from lm_engine.sampling_params import SamplingParams
-from runtime.memory import bound_native_caches
+from runtime.memory import bound_native_caches, huge_page_tensors
 
 
 class LLM:
@@ -24,6 +24,7 @@ class LLM:
         # NOTE: before the engine's warm-up runs the first matmul, as `vlmserve serve` and `batch` do; it keeps
         # what the environment already sets, so a second LLM (or a caller's own call) changes nothing.
         bound_native_caches()
+        huge_page_tensors()
         known = {f.name for f in fields(EngineConfig)}
         unknown = set(kwargs) - known
         if unknown:
