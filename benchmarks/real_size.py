@@ -919,6 +919,10 @@ def prefill_rate(model_dir: Path, dtype, tokens: int, repeat: int) -> dict:
 def measure_tower(model_dir: Path, args, flags: Sequence[str], weights: dict) -> dict:
     import torch
 
+    from runtime.memory import bound_native_caches, huge_page_tensors
+
+    bound_native_caches()  # the process settings `vlmserve serve` runs its tower and prefill under
+    huge_page_tensors()
     out: dict = {}
     side = 448 if args.quick else 1024
     repeat = 1 if args.quick else 2

@@ -36,13 +36,19 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="checkpoint directory (default: the small preset)"
     )
-    ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl"])
+    ap.add_argument("--family", default="qwen2_5_vl", choices=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument(
+        "--side",
+        type=int,
+        default=None,
+        help="one side² image instead of the benchmark's ten (real_size: 1024)",
+    )
     args = ap.parse_args()
     model_dir = ensure_checkpoint("small", 0, args.model, family=args.family)
     _, tower = et.build_ours(model_dir, et.compute_dtype(model_dir, args.dtype), "auto")
     dtype = tower.dtype
-    grids = et.image_grids(model_dir, et.SIZES)
+    grids = et.image_grids(model_dir, [(args.side, args.side)] if args.side else et.SIZES)
     n = sum(t * h * w for t, h, w in grids)
     pixels, grid = torch.randn(n, tower.cfg.patch_dim), torch.tensor(grids)
     with torch.no_grad():

@@ -38,16 +38,20 @@ def load(march: str = "native") -> ctypes.CDLL | None:
     lib.vlm_amx_ready.restype = ctypes.c_int
     silu = lib.vlm_silu_mul
     silu.restype = ctypes.c_int
-    # gate, up, out, elements, dtype, threads
-    silu.argtypes = [_PTR] * 3 + [_I64] * 3
+    # gate, up, out, rows, cols, row stride of gate and up, dtype, threads, pool
+    silu.argtypes = [_PTR] * 3 + [_I64] * 6
     norm = lib.vlm_rms_norm
     norm.restype = ctypes.c_int
-    # x, weight, out, rows, cols, eps, dtype, threads
-    norm.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _I64, _I64]
+    # x, weight, out, rows, cols, eps, dtype, threads, pool
+    norm.argtypes = [_PTR] * 3 + [_I64] * 2 + [ctypes.c_float, _I64, _I64, _I64]
+    ln = lib.vlm_layer_norm
+    ln.restype = ctypes.c_int
+    # x, y, sum, weight, bias, out, rows, cols, eps, dtype, threads, pool
+    ln.argtypes = [_PTR] * 6 + [_I64] * 2 + [ctypes.c_float] + [_I64] * 3
     rope = lib.vlm_rope_heads
     rope.restype = ctypes.c_int
-    # x, cos, sin, q weight, k weight, rows, stride, heads, q heads, head dim, eps, threads
-    rope.argtypes = [_PTR] * 5 + [_I64] * 5 + [ctypes.c_float, _I64]
+    # x, cos, sin, q weight, k weight, rows, stride, heads, q heads, head dim, eps, threads, pool
+    rope.argtypes = [_PTR] * 5 + [_I64] * 5 + [ctypes.c_float, _I64, _I64]
     act = lib.vlm_bias_quick_gelu
     act.restype = ctypes.c_int
     # x, bias, rows, cols, dtype, threads
@@ -241,12 +245,17 @@ def bias_quick_gelu_(lib: ctypes.CDLL, x: torch.Tensor, bias: torch.Tensor | Non
 
 
 def rms_norm(
-    lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float, threads: int | None = None
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    threads: int | None = None,
+    pool: str = "vision",
 ) -> torch.Tensor:
     """``weight · round(x · rsqrt(mean(x²) + eps))`` over the last dimension, as the towers' RMSNorm computes it
     (float32 inside, the normalised row rounded to x's dtype before the weight), in one pass over x. On
-    ``threads`` (default torch's); on one thread, or 16 rows or fewer, the call runs on the caller alone and
-    never waits for another thread's call of the library."""
+    ``threads`` (default torch's) of ``pool`` (:data:`POOLS`); on one thread, or 16 rows or fewer, the call runs on
+    the caller alone and never waits for another thread's call of the library."""
     if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or weight.dtype != x.dtype:
         raise ValueError(f"rms_norm: unsupported {x.dtype} {x.device} input, {weight.dtype} weight")
     cols = x.shape[-1]
@@ -265,32 +274,110 @@ def rms_norm(
         eps,
         _DTYPE_CODES[x.dtype],
         torch.get_num_threads() if threads is None else threads,
+        POOLS[pool],
     )
     return out
 
 
+def layer_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    threads: int | None = None,
+    pool: str = "vision",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """torch's ``layer_norm(x)`` over the last dimension (float32 inside, rounded once), in one pass over x; with
+    ``residual``, ``(s, layer_norm(s))`` for ``s = x + residual`` (rounded as torch's add), both new tensors: a
+    tower block's residual add and its next norm in one call. On ``threads`` (default torch's) of ``pool``."""
+    if (
+        x.dtype not in _DTYPE_CODES
+        or x.device.type != "cpu"
+        or weight.dtype != x.dtype
+        or bias.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"layer_norm: unsupported {x.dtype} {x.device} input, {weight.dtype}/{bias.dtype} affine"
+        )
+    cols = x.shape[-1]
+    if weight.shape != (cols,) or bias.shape != (cols,):
+        raise ValueError(f"layer_norm: weight and bias must be [{cols}]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"layer_norm: residual {tuple(residual.shape)} {residual.dtype} does not match x")
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    out = torch.empty_like(x)
+    if residual is not None:
+        residual = residual.contiguous()
+        total = torch.empty_like(x)
+    _run(
+        lib.vlm_layer_norm,
+        "layer_norm",
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        None if residual is None else total.data_ptr(),
+        weight.data_ptr(),
+        bias.data_ptr(),
+        out.data_ptr(),
+        x.numel() // cols,
+        cols,
+        eps,
+        _DTYPE_CODES[x.dtype],
+        torch.get_num_threads() if threads is None else threads,
+        POOLS[pool],
+    )
+    return out if residual is None else (total, out)
+
+
 def silu_mul(
-    lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None
+    lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, threads: int | None = None, pool: str = "vision"
 ) -> torch.Tensor:
     """``silu(gate) * up`` as torch computes it in the input dtype (silu rounded, then the product), one pass, on
-    ``threads`` (default torch's; on one, the caller alone, as :func:`rms_norm`)."""
+    ``threads`` (default torch's) of ``pool``; on one, the caller alone, as :func:`rms_norm`."""
     if gate.dtype not in _DTYPE_CODES or gate.device.type != "cpu" or up.dtype != gate.dtype:
         raise ValueError(f"silu_mul: unsupported {gate.dtype}/{up.dtype} {gate.device} inputs")
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: shapes {tuple(gate.shape)} and {tuple(up.shape)} differ")
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
+    cols = gate.shape[-1] if gate.dim() else 1  # row by row, as silu_mul_halves: the same bits for a row
+    _silu(lib, gate, up, out, gate.numel() // max(cols, 1), cols, cols, threads, pool)
+    return out
+
+
+def silu_mul_halves(
+    lib: ctypes.CDLL, gate_up: torch.Tensor, threads: int | None = None, pool: str = "vision"
+) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate-up projection's output [..., 2·I] (gate the first half of each row, up
+    the second), read in place: :func:`silu_mul` of ``gate_up.chunk(2, -1)`` without copying the halves."""
+    if gate_up.dtype not in _DTYPE_CODES or gate_up.device.type != "cpu" or gate_up.shape[-1] % 2:
+        raise ValueError(
+            f"silu_mul_halves: unsupported {gate_up.dtype} {gate_up.device} {tuple(gate_up.shape)}"
+        )
+    gate_up = gate_up.reshape(-1, gate_up.shape[-1])
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    rows, cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, cols)
+    _silu(lib, gate_up, gate_up[:, cols:], out, rows, cols, gate_up.stride(0), threads, pool)
+    return out
+
+
+def _silu(lib, gate, up, out, rows: int, cols: int, ld: int, threads: int | None, pool: str) -> None:
     _run(
         lib.vlm_silu_mul,
         "silu_mul",
         gate.data_ptr(),
         up.data_ptr(),
         out.data_ptr(),
-        gate.numel(),
+        rows,
+        cols,
+        ld,
         _DTYPE_CODES[gate.dtype],
         torch.get_num_threads() if threads is None else threads,
+        POOLS[pool],
     )
-    return out
 
 
 def rope_heads(
@@ -301,11 +388,14 @@ def rope_heads(
     cos: torch.Tensor,
     sin: torch.Tensor,
     norms: tuple[int, torch.Tensor, torch.Tensor, float] | None = None,
+    threads: int = 1,
+    pool: str = "prefill",
 ) -> None:
     """In place on bfloat16 ``x`` [rows, width] (rows contiguous): its first ``heads`` heads of ``head_dim``
     become ``x·cos + rotate_half(x)·sin`` (``cos``/``sin`` [rows, head_dim]), each op rounded to bfloat16 as torch
     computes it; with ``norms`` = (q_heads, q_weight, k_weight, eps) each head is first RMS-normed with its
-    weight, as :func:`rms_norm` computes it. One pass, on the calling thread alone (a decode step's few rows)."""
+    weight, as :func:`rms_norm` computes it. One pass; on the calling thread alone (a decode step's few rows)
+    unless ``threads`` of ``pool`` are asked for (a prefill chunk)."""
     rows, width = x.shape
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(1) != 1:
         raise ValueError(f"rope_heads: unsupported {x.dtype} {x.device} input of strides {x.stride()}")
@@ -333,7 +423,8 @@ def rope_heads(
         q_heads,
         head_dim,
         eps,
-        1,
+        threads,
+        POOLS[pool],
     )
 
 

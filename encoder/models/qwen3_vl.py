@@ -20,6 +20,7 @@ from encoder.models.base import PatchGeometry, VisionTower
 from encoder.models.qwen2_vl import (
     ACTIVATIONS,
     Block,
+    LayerNorm,
     PatchEmbed,
     VisionBatch,
     grids_of,
@@ -104,7 +105,7 @@ class Merger(nn.Module):
         super().__init__()
         self.width = cfg.embed_dim * cfg.spatial_merge_size**2
         self.postshuffle = postshuffle
-        self.norm = nn.LayerNorm(self.width if postshuffle else cfg.embed_dim, eps=1e-6)
+        self.norm = LayerNorm(self.width if postshuffle else cfg.embed_dim, eps=1e-6)
         self.linear_fc1 = nn.Linear(self.width, self.width)
         self.act = nn.GELU()
         self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden)

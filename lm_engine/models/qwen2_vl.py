@@ -133,10 +133,19 @@ def mrope_positions(
 
 
 # -- decoder -----------------------------------------------------------------------------------------------
-# Elements up to which a decode step's norm and silu · up run on the compiled library, on the calling thread
-# alone (one pass where torch makes seven or two; no other thread to wake, no wait for a tower's call): a
-# handful of rows. Past it, torch's ops, on all threads.
+# Elements up to which the decoder's norms, rotary and silu · up run on the compiled library on the calling thread
+# alone (one pass where torch makes seven or two; no other thread to wake, no wait for another call): a decode
+# step's handful of rows. Past it (a prefill chunk), on all of torch's threads, on the library's prefill pool.
 STEP_KERNEL_ELEMS = 1 << 16
+
+
+def kernel_threads(elems: int) -> dict:
+    """The threads and pool a decoder kernel call of ``elems`` elements runs on (see STEP_KERNEL_ELEMS)."""
+    return (
+        {"threads": 1}
+        if elems <= STEP_KERNEL_ELEMS
+        else {"threads": torch.get_num_threads(), "pool": "prefill"}
+    )
 
 
 def use_step_kernels(module: nn.Module, lib) -> int:
@@ -164,10 +173,12 @@ class RMSNorm(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None and x.numel() <= STEP_KERNEL_ELEMS and x.dtype == self.weight.dtype:
+        if self.lib is not None and x.dtype == self.weight.dtype:
             # NOTE: the same formula in one pass; bfloat16 equal but for rare one-step differences (the sum of
             # squares is added in another order): tests/lm_engine/test_step_kernels.py
-            return cpu_kernel.rms_norm(self.lib, x, self.weight.detach(), self.eps, threads=1)
+            return cpu_kernel.rms_norm(
+                self.lib, x, self.weight.detach(), self.eps, **kernel_threads(x.numel())
+            )
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -204,18 +215,12 @@ class MRotaryEmbedding(nn.Module):
 
 
 def step_rotary(lib, qkv: torch.Tensor, heads: int, head_dim: int, cos, sin, norms=None) -> bool:
-    """Rotate (and with ``norms``, RMS-norm first: see :func:`cpu_kernel.rope_heads`) the first ``heads`` heads of a
-    decode step's fused projection in place on the compiled library, where it was handed one and the step is
-    small; ``False``: the caller runs torch's ops. The same rounding as torch's: tests/lm_engine/test_step_kernels.py
-    """
-    if (
-        lib is None
-        or qkv.dtype != torch.bfloat16
-        or qkv.numel() > STEP_KERNEL_ELEMS
-        or cos.dtype != qkv.dtype
-    ):
+    """Rotate (and with ``norms``, RMS-norm first: see :func:`cpu_kernel.rope_heads`) the first ``heads`` heads of the
+    fused projection in place on the compiled library, where it was handed one (bfloat16); ``False``: the caller
+    runs torch's ops. The same rounding as torch's: tests/lm_engine/test_step_kernels.py"""
+    if lib is None or qkv.dtype != torch.bfloat16 or cos.dtype != qkv.dtype:
         return False
-    cpu_kernel.rope_heads(lib, qkv, heads, head_dim, cos, sin, norms)
+    cpu_kernel.rope_heads(lib, qkv, heads, head_dim, cos, sin, norms, **kernel_threads(qkv.numel()))
     return True
 
 
@@ -276,10 +281,13 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if halves_split(self.gate_up_proj):  # the float32 kernel: gate, up and silu · up in one pass
             return self.down_proj(silu_gated_halves(self.gate_up_proj, x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if self.lib is not None and gate.dtype == torch.bfloat16 and 2 * gate.numel() <= STEP_KERNEL_ELEMS:
-            # silu rounded, then the product, as torch computes it (tests/runtime/test_cpu_kernel_attention.py)
-            return self.down_proj(cpu_kernel.silu_mul(self.lib, gate, up, threads=1))
+        gate_up = self.gate_up_proj(x)
+        if self.lib is not None and gate_up.dtype == torch.bfloat16:
+            # silu rounded, then the product, as torch computes it (tests/runtime/test_cpu_kernel_attention.py),
+            # reading the two halves in place
+            threads = kernel_threads(gate_up.numel())
+            return self.down_proj(cpu_kernel.silu_mul_halves(self.lib, gate_up, **threads))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 

@@ -75,6 +75,7 @@ enum { VISION_POOL, PREFILL_POOL };
 #include "pool.h"
 #include "cpu_kernel/mlp_activation.h"
 #include "cpu_kernel/rms_norm.h"
+#include "cpu_kernel/layer_norm.h"
 #include "cpu_kernel/silu_mul.h"
 #include "cpu_kernel/rope_heads.h"
 #include "cpu_kernel/decode_layer.h"

@@ -1,5 +1,6 @@
-"""A decode step's norms and silu · up on the compiled library (lm_engine.models.qwen2_vl.use_step_kernels): the
-same formulas as the decoder's torch ops, taken only for decode-sized inputs, and run on the caller alone."""
+"""The decoder's norms, rotary and silu · up on the compiled library (lm_engine.models.qwen2_vl.use_step_kernels):
+the same formulas as the decoder's torch ops; a decode step's inputs on the caller alone, a prefill chunk's on all
+threads of the library's prefill pool."""
 
 from __future__ import annotations
 
@@ -45,22 +46,59 @@ def test_decode_norm_matches_transformers_formula(rows, monkeypatch):
 
 
 @needs_lib
-def test_large_inputs_and_other_dtypes_keep_torchs_ops(monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "rms_norm", lambda *a, **k: pytest.fail("kernel taken"))
-    monkeypatch.setattr(cpu_kernel, "silu_mul", lambda *a, **k: pytest.fail("kernel taken"))
+def test_prefill_sized_inputs_take_the_kernels_on_the_prefill_pool(monkeypatch):
+    """Past STEP_KERNEL_ELEMS the norm and silu · up run on torch's thread count on the prefill pool, with the same
+    formulas; float32 keeps torch's ops."""
+    calls = []
+    for name in ("rms_norm", "silu_mul_halves"):
+        real = getattr(cpu_kernel, name)
+        monkeypatch.setattr(
+            cpu_kernel,
+            name,
+            lambda *a, _real=real, _name=name, **k: calls.append((_name, k)) or _real(*a, **k),
+        )
+    gen = torch.Generator().manual_seed(5)
     norm = RMSNorm(256, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256, generator=gen))
     assert norm.take_lib(LIB)
     rows = STEP_KERNEL_ELEMS // 256 + 1  # a prefill chunk
-    x = torch.randn(rows, 256).to(torch.bfloat16)
+    x = (torch.randn(rows, 256, generator=gen) * 3).to(torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(norm(x), torch_norm(norm, x))
+        got, want = norm(x), torch_norm(norm, x)
+    assert (got != want).float().mean() < 2e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=8e-3)
     assert not RMSNorm(256, 1e-6).take_lib(LIB)  # float32: torch's ops, to the bit as before
     cfg = qwen2_vl.Qwen2VLConfig.__new__(qwen2_vl.Qwen2VLConfig)
     cfg.hidden_size, cfg.intermediate_size = 64, STEP_KERNEL_ELEMS // 2
     mlp = MLP(cfg).to(torch.bfloat16)
     assert mlp.take_lib(LIB)
+    h = torch.randn(2, 64, generator=gen).to(torch.bfloat16)  # 2 rows × 32,768 · 2: past the bound
     with torch.no_grad():
-        mlp(torch.randn(2, 64).to(torch.bfloat16))  # 2 rows × 32,768: past the bound
+        got = mlp(h)
+        gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
+        want = mlp.down_proj(F.silu(gate) * up)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    prefill = {"threads": torch.get_num_threads(), "pool": "prefill"}
+    assert calls == [("rms_norm", prefill), ("silu_mul_halves", prefill)]
+
+
+@needs_lib
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_silu_mul_halves_reads_a_fused_projection_in_place(rows):
+    """The halves of [rows, 2·I] read where they lie equal silu_mul of their copies, to the bit, on one thread or
+    both pools' threads; an odd width is refused."""
+    gen = torch.Generator().manual_seed(rows)
+    inter = 8960 + 8  # a tail past the vector lanes too
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = cpu_kernel.silu_mul(LIB, gate.contiguous(), up.contiguous(), threads=1)
+    for threads, pool in ((1, "vision"), (2, "prefill"), (2, "vision")):
+        got = cpu_kernel.silu_mul_halves(LIB, gate_up, threads=threads, pool=pool)
+        assert got.shape == (rows, inter) and torch.equal(got, want), (threads, pool)
+    assert (want != F.silu(gate) * up).float().mean() < 1e-3
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_kernel.silu_mul_halves(LIB, gate_up[:, :-1])
 
 
 @needs_lib
@@ -117,6 +155,9 @@ def test_rope_heads_is_torchs_rotary_to_the_bit(rows, d):
     cpu_kernel.rope_heads(LIB, qkv, heads, d, cos, sin)
     assert torch.equal(qkv[:, : heads * d].view(rows, heads, d), want)
     assert torch.equal(qkv[:, heads * d :], before[:, heads * d :])  # v untouched
+    spread = before.clone()  # a prefill chunk's call: the pool's threads, the same bits
+    cpu_kernel.rope_heads(LIB, spread, heads, d, cos, sin, threads=2, pool="prefill")
+    assert torch.equal(spread, qkv)
 
 
 @needs_lib
@@ -155,9 +196,9 @@ def test_rope_heads_refuses_what_it_cannot_rotate():
 
 @needs_lib
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_decoder_attention_takes_the_rope_kernel_for_steps_only(family, monkeypatch):
-    """One attention layer, bf16: the kernel's output equals the torch path's, and a prefill-sized input keeps
-    torch's ops."""
+def test_decoder_attention_takes_the_rope_kernel_at_every_size(family, monkeypatch):
+    """One attention layer, bf16: the kernel's output equals the torch path's, for a decode step on the caller
+    alone and for a prefill-sized input on the prefill pool's threads."""
     from lm_engine.models import qwen3_vl
 
     if family == "qwen2":
@@ -182,9 +223,10 @@ def test_decoder_attention_takes_the_rope_kernel_for_steps_only(family, monkeypa
 
     calls = []
     real = cpu_kernel.rope_heads
-    monkeypatch.setattr(cpu_kernel, "rope_heads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_kernel, "rope_heads", lambda *a, **k: calls.append(k) or real(*a, **k))
     d = attn.head_dim
-    for rows, kernel in ((3, True), (STEP_KERNEL_ELEMS // 512 + 1, False)):
+    prefill = {"threads": torch.get_num_threads(), "pool": "prefill"}
+    for rows, kernel in ((3, {"threads": 1}), (STEP_KERNEL_ELEMS // 512 + 1, prefill)):
         x = torch.randn(rows, 256).to(torch.bfloat16)
         angles = torch.randn(rows, d // 2) * 20
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
@@ -197,10 +239,10 @@ def test_decoder_attention_takes_the_rope_kernel_for_steps_only(family, monkeypa
         assert attn.take_lib(LIB)
         with torch.no_grad():
             attn(x, cos, sin, None, None, None, Backend())
-        assert bool(calls) == kernel
+        assert calls == [kernel]
         (q0, k0, v0), (q1, k1, v1) = seen
         assert torch.equal(v0, v1)
-        if family == "qwen2" or not kernel:
+        if family == "qwen2":
             assert torch.equal(q0, q1) and torch.equal(k0, k1)
         else:
             assert (q0 != q1).float().mean() < 2e-3 and (k0 != k1).float().mean() < 2e-3

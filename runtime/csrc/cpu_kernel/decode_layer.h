@@ -46,10 +46,10 @@ int vlm_decode_layer(const vlm_layer_t *L, const vlm_step_t *S, void *x, void *k
     uint16_t *xs = x, *h = S->h, *qkv = S->qkv, *attn = S->attn, *o = S->o, *gu = S->gu, *act = S->act;
     int rc;
     if (m < 1 || m > 16) return -3;
-    if ((rc = vlm_rms_norm(xs, L->in_norm, h, m, hd, L->eps, 1, 1))) return rc;
+    if ((rc = vlm_rms_norm(xs, L->in_norm, h, m, hd, L->eps, 1, 1, 0))) return rc;
     if ((rc = L->linear(h, m, hd, hd, L->w[0], nqkv, L->bias[0], qkv, nqkv, lt, L->paths[0]))) return rc;
     if ((rc = vlm_rope_heads(qkv, S->cos, S->sin, L->q_norm, L->k_norm, m, nqkv, L->heads + L->kv_heads, L->heads, d,
-                             L->qk_eps, 1)))
+                             L->qk_eps, 1, 0)))
         return rc;
     const uint16_t *q = qkv;
     for (int64_t r = 0; r < m; r++) {
@@ -66,12 +66,9 @@ int vlm_decode_layer(const vlm_layer_t *L, const vlm_step_t *S, void *x, void *k
         return rc;
     if ((rc = L->linear(attn, m, qs, qs, L->w[1], hd, L->bias[1], o, hd, lt, L->paths[1]))) return rc;
     add_rows_bf16(xs, o, m * hd);
-    if ((rc = vlm_rms_norm(xs, L->post_norm, h, m, hd, L->eps, 1, 1))) return rc;
+    if ((rc = vlm_rms_norm(xs, L->post_norm, h, m, hd, L->eps, 1, 1, 0))) return rc;
     if ((rc = L->linear(h, m, hd, hd, L->w[2], 2 * L->inter, NULL, gu, 2 * L->inter, lt, L->paths[2]))) return rc;
-    for (int64_t r = 0; r < m; r++)
-        if ((rc = vlm_silu_mul(gu + r * 2 * L->inter, gu + r * 2 * L->inter + L->inter, act + r * L->inter, L->inter,
-                               1, 1)))
-            return rc;
+    if ((rc = vlm_silu_mul(gu, gu + L->inter, act, m, L->inter, 2 * L->inter, 1, 1, 0))) return rc;
     if ((rc = L->linear(act, m, L->inter, L->inter, L->w[3], hd, NULL, o, hd, lt, L->paths[3]))) return rc;
     add_rows_bf16(xs, o, m * hd);
     return 0;

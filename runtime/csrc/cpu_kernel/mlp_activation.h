@@ -96,18 +96,21 @@ static void quick_gelu_unit(job_t *jb, int64_t u) {
     }
 }
 
-/* An elementwise job's `units` on the vision pool (the tower's kernels share it); returns 0. */
-static int run_elementwise(job_t *j, int64_t units, void (*unit)(job_t *, int64_t), int64_t threads) {
+/* An elementwise job's `units` on `pool` (VISION_POOL: the tower's kernels share it; PREFILL_POOL: the decoder's
+ * prefill chunks, which must not queue behind a tower call on the encoder thread); returns 0, or -5 for no such
+ * pool. */
+static int run_elementwise(job_t *j, int64_t units, void (*unit)(job_t *, int64_t), int64_t threads, int64_t pool_id) {
+    if (pool_id < 0 || pool_id >= POOLS) return -5;
     j->units = units;
     j->unit = unit;
     if (threads <= 1 || units <= 1) {
-        /* on the caller alone, without the vision pool: a decode step's norm or silu · up (a few rows) must not
-         * wait for a tower's call on another thread, and needs no other thread */
+        /* on the caller alone, without a pool: a decode step's norm or silu · up (a few rows) must not wait for
+         * another thread's call, and needs no other thread */
         atomic_store(&j->next, 0);
         work(j);
         return 0;
     }
-    pool_t *pool = &pools[VISION_POOL];
+    pool_t *pool = &pools[pool_id];
     pthread_mutex_lock(&pool->call);
     dispatch(pool, j, threads > MAX_THREADS ? MAX_THREADS : threads);
     pthread_mutex_unlock(&pool->call);
@@ -120,5 +123,5 @@ int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, i
     act_job_t j;
     memset(&j, 0, sizeof j);
     j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
-    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, quick_gelu_unit, threads);
+    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, quick_gelu_unit, threads, VISION_POOL);
 }

@@ -53,14 +53,14 @@ static void rms_norm_unit(job_t *jb, int64_t u) {
     }
 }
 
-/* out [rows, cols] = RMSNorm(x) · weight (x, weight and out all float32 or all bfloat16); one pass over x where
+/* out [rows, cols] = RMSNorm(x) · weight (x, weight and out all float32 or all bfloat16) on `pool`; one pass over x where
  * torch makes seven (the float32 copy, square, mean, rsqrt, scale, the rounding copy, the weight). */
 int vlm_rms_norm(const void *x, const void *weight, void *out, int64_t rows, int64_t cols, float eps, int64_t dtype,
-                 int64_t threads) {
+                 int64_t threads, int64_t pool) {
     if (dtype != 0 && dtype != 1) return -2;
     if (rows < 0 || cols <= 0) return -3;
     norm_job_t j;
     memset(&j, 0, sizeof j);
     j.x = x, j.weight = weight, j.out = out, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1, j.eps = eps;
-    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, rms_norm_unit, threads);
+    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, rms_norm_unit, threads, pool);
 }
