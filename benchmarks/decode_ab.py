@@ -146,22 +146,32 @@ def main(argv=None) -> int:
     }
     out = args.results_dir / f"{args.label}-ab-{stamp}.json"
     out.write_text(json.dumps(result, indent=1))
-    print(f"decode_ab: {args.label}, CPU {flags['cpu_model']} ({' '.join(flags['flags'])})")
-    print("| round | vlmserve ms/token | llama.cpp ms/token | ratio | read GB/s | floor ms |")
-    print("|---|---|---|---|---|---|")
-    for r in rounds:
-        print(
-            f"| {r['round']} | {rs._fmt(r['vlmserve']['ms_per_token'], '.1f')} | "
-            f"{rs._fmt(r['llama.cpp']['ms_per_token'], '.1f')} | {rs._fmt(r['ratio'], '.3f')} | "
-            f"{r['read_gbs']:.1f} | {rs._fmt(r['floor_ms'], '.1f')} |"
-        )
-    print(
-        f"median: vlmserve {rs._fmt(summary['vlmserve_ms'], '.1f')}, llama.cpp {rs._fmt(summary['llamacpp_ms'], '.1f')}, "
-        f"ratio {rs._fmt(summary['ratio_median'], '.3f')}; ÷ floor {rs._fmt(summary['vlmserve_over_floor'], '.2f')} "
-        f"and {rs._fmt(summary['llamacpp_over_floor'], '.2f')}"
-    )
+    print("\n".join(report_lines(result)))
     print(f"result: {out}")
     return 0
+
+
+def report_lines(result: dict) -> list[str]:
+    """The table and the median line printed for a result (its rounds and summary)."""
+    summary, fmt = result["summary"], harness.fmt
+    machine = result["machine"]
+    lines = [
+        f"decode_ab: {result['label']}, CPU {machine['cpu_model']} ({' '.join(machine['flags'])})",
+        "| round | vlmserve ms/token | llama.cpp ms/token | ratio | read GB/s | floor ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rounds"]:
+        lines.append(
+            f"| {r['round']} | {fmt(r['vlmserve']['ms_per_token'], '.1f')} | "
+            f"{fmt(r['llama.cpp']['ms_per_token'], '.1f')} | {fmt(r['ratio'], '.3f')} | "
+            f"{r['read_gbs']:.1f} | {fmt(r['floor_ms'], '.1f')} |"
+        )
+    lines.append(
+        f"median: vlmserve {fmt(summary['vlmserve_ms'], '.1f')}, llama.cpp {fmt(summary['llamacpp_ms'], '.1f')}, "
+        f"ratio {fmt(summary['ratio_median'], '.3f')}; ÷ floor {fmt(summary['vlmserve_over_floor'], '.2f')} "
+        f"and {fmt(summary['llamacpp_over_floor'], '.2f')}"
+    )
+    return lines
 
 
 if __name__ == "__main__":
