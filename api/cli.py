@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from api import flags
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from api.media import MediaConfig
 
 # NOTE: nothing heavy at module level (each function imports what it needs): worker processes that
@@ -166,6 +168,13 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         "alone, from a trained checkpoint.",
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    _add_tool_phase_args(p, t)
+    _add_training_args(p, t)
+    p.set_defaults(func=cmd_train_demo)
+
+
+def _add_tool_phase_args(p: argparse.ArgumentParser, t: Callable[[str], object]) -> None:
+    """train-demo's --from and the tool phase's settings (``t``: a TrainConfig default by name)."""
     p.add_argument(
         "--from",
         dest="base",
@@ -220,6 +229,10 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="with --from: the picture kinds asked with tools, e.g. single=0.5,many=0.25,number=0.25 "
         "(default: %(default)s)",
     )
+
+
+def _add_training_args(p: argparse.ArgumentParser, t: Callable[[str], object]) -> None:
+    """train-demo's settings of the first two phases (the tower alone, then the whole model)."""
     p.add_argument(
         "--seed", type=int, default=t("seed"), help="initialisation and task-set seed (default: %(default)s)"
     )
@@ -271,7 +284,6 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="matmuls under bfloat16 autocast or in float32; auto: bfloat16 where a start-up timing finds it "
         "fast on this CPU (AVX512-BF16, AMX), float32 where it is emulated (default: %(default)s)",
     )
-    p.set_defaults(func=cmd_train_demo)
 
 
 def _kind_shares(text: str) -> tuple[tuple[str, float], ...]:
@@ -474,13 +486,46 @@ def _check_visual_level(args: argparse.Namespace, model: str) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from api.config import ConnectionLimits, ServerArgs
+    from api.config import ServerArgs
 
     srv = functools.partial(flags.default, ServerArgs)
     p.add_argument(
         "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
     )
     p.add_argument("--port", type=int, default=srv("port"))
+    _add_client_args(p)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=srv("max_request_bytes"),
+        help="largest request body accepted (data: URLs included); larger ones get 413",
+    )
+    _add_media_args(p)
+    p.add_argument(
+        "--uvicorn-log-level",
+        default=srv("log_level"),
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    p.add_argument(
+        "--replica-name",
+        default=None,
+        help="name this server as a replica: every response carries it in x-vlmserve-replica",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=["qwen3"],
+        help="read a <think>...</think> block in the output as message.reasoning_content (Qwen3-VL Thinking); "
+        "structured output and tool grammars apply after it",
+    )
+    _add_load_args(p)
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """serve's clients and tenants: API keys, caches per key, proxies, fairness, connection limits."""
+    from api.config import ConnectionLimits, ServerArgs
+
+    srv = functools.partial(flags.default, ServerArgs)
     sec = p.add_argument_group("clients and tenants (README: Security)")
     sec.add_argument(
         "--api-key",
@@ -537,31 +582,6 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
         default=limits.max_connections,
         help="open client connections at most; a new one past it gets 503 and is closed",
     )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=srv("max_request_bytes"),
-        help="largest request body accepted (data: URLs included); larger ones get 413",
-    )
-    _add_media_args(p)
-    p.add_argument(
-        "--uvicorn-log-level",
-        default=srv("log_level"),
-        choices=["critical", "error", "warning", "info", "debug"],
-    )
-    p.add_argument(
-        "--replica-name",
-        default=None,
-        help="name this server as a replica: every response carries it in x-vlmserve-replica",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["qwen3"],
-        help="read a <think>...</think> block in the output as message.reasoning_content (Qwen3-VL Thinking); "
-        "structured output and tool grammars apply after it",
-    )
-    _add_load_args(p)
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
