@@ -203,15 +203,3 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         choices=["local", "fail"],
         help="when the pool is unreachable or too slow: encode in this process, or answer 503 with Retry-After",
     )
-
-
-def serve_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        encoder_url=args.encoder_url,
-        encoder_workers=args.encoder_workers,
-        encoder_threads=args.encoder_threads,
-        encoder_nice=args.encoder_nice,
-        encoder_timeout_s=args.encoder_timeout,
-        encoder_fallback=args.encoder_fallback,
-        encoder_auth_token_file=args.encoder_auth_token_file,
-    )
