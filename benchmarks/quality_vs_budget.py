@@ -50,14 +50,15 @@ import httpx
 from benchmarks import load
 from benchmarks.harness import (
     OUT_DIR,
-    RESULTS_DIR,
     ServerProcess,
+    add_run_args,
     arg_parser,
     bulk_dir,
     contention_note,
     fmt,
     free_port,
     machine,
+    quick_or_full,
     results_header,
     run_main,
     vlmserve_here_argv,
@@ -652,14 +653,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Poisson load; 48 clients calibrated 53.5 (the default here).
     add_overload_args(g, slo_ttft_ms=2000.0, calib_clients=48, budgets="fixed,fixed+admission,adaptive")
     g.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
-    p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR / "quality_vs_budget"))
+    add_run_args(p, "quality_vs_budget")
     args = p.parse_args(argv)
     if args.skip_accuracy and args.skip_overload:
         p.error("--skip-accuracy and --skip-overload leave nothing to run")
-    args.per_task = args.per_task or (10 if args.quick else 200)
-    args.overload_n = args.overload_n or (40 if args.quick else 800)
-    args.calib_n = args.calib_n or (12 if args.quick else 480)
+    quick_or_full(args, per_task=(10, 200), overload_n=(40, 800), calib_n=(12, 480))
     finish_overload_args(p, args)
     return args
 
