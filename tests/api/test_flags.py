@@ -192,15 +192,25 @@ def test_every_serve_flag_sets_one_settings_field():
             _serve_field(dest)
 
 
-def test_serve_flags_default_to_their_settings_fields():
-    checked = 0
+def _serve_flags_with_class_defaults() -> list[tuple[argparse.Action, type, dataclasses.Field]]:
+    """serve's flags whose default is their settings field's (not the command line's own, not decided at start)."""
+    out = []
     for action in _serve_flags():
         dest = action.dest
         if dest in SERVE_NOT_SETTINGS or dest in SERVE_RUNTIME_DEFAULTS or ("serve", dest) in OWN:
             continue
         cls, f = _serve_field(dest)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            continue  # the model
+        if (
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        ):  # not the model
+            out.append((action, cls, f))
+    return out
+
+
+def test_serve_flags_default_to_their_settings_fields():
+    checked = 0
+    for action, cls, f in _serve_flags_with_class_defaults():
+        dest = action.dest
         value = SERVE_CONVERTED.get(dest, lambda v: v)(action.default)
         assert value == _field_default(f), (
             f"serve --{dest.replace('_', '-')}: {value!r}, {cls.__name__}.{f.name}"
@@ -227,19 +237,13 @@ def _moved(value):
 def test_a_changed_settings_default_moves_every_serve_flag(monkeypatch):
     """Each serve default is read from its settings class when the parser is built, not restated."""
     moved = {}
-    for action in _serve_flags():
-        dest = action.dest
-        if dest in SERVE_NOT_SETTINGS or dest in SERVE_RUNTIME_DEFAULTS or ("serve", dest) in OWN:
-            continue
-        _, f = _serve_field(dest)
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            continue
+    for action, _, f in _serve_flags_with_class_defaults():
         new = _moved(_field_default(f))
         if f.default is dataclasses.MISSING:
             monkeypatch.setattr(f, "default_factory", lambda new=new: new)
         else:
             monkeypatch.setattr(f, "default", new)
-        moved[dest] = new
+        moved[action.dest] = new
     assert len(moved) >= 35
     for action in _serve_flags():
         if action.dest in moved:
@@ -255,41 +259,42 @@ def test_the_serve_command_builds_its_engine_config_from_every_flag(monkeypatch,
 
     got = {}
     monkeypatch.setattr(api.server, "run_server", lambda server_args, startup: got.update(s=server_args))
-    given = {  # flag: (as typed, EngineConfig's field, its value)
-        "--dtype": ("float32", "dtype", "float32"),
-        "--device": ("cuda:1", "device", "cuda:1"),
-        "--block-size": ("32", "block_size", 32),
-        "--max-num-batched-tokens": ("1000", "max_num_batched_tokens", 1000),
-        "--max-num-seqs": ("7", "max_num_seqs", 7),
-        "--max-model-len": ("999", "max_model_len", 999),
-        "--num-kv-blocks": ("77", "num_kv_blocks", 77),
-        "--attention-backend": ("torch", "attention_backend", "torch"),
-        "--kv-cache-memory": ("1GiB", "kv_cache_memory", 1 << 30),
-        "--memory-utilization": ("0.5", "memory_utilization", 0.5),
-        "--preprocess-workers": ("3", "preprocess_workers", 3),
-        "--embedding-cache-mb": ("5", "embedding_cache_bytes", 5 << 20),
-        "--redis-url": ("redis://127.0.0.1:1/0", "redis_url", "redis://127.0.0.1:1/0"),
-        "--redis-key-prefix": ("q:", "redis_key_prefix", "q:"),
-        "--hash-algorithm": ("sha256", "hash_algorithm", "sha256"),
-        "--visual-budget": ("fixed", "visual_budget", "fixed"),
-        "--visual-level": ("1", "visual_level", 1),
-        "--ttft-slo-ms": ("123", "ttft_slo_ms", 123.0),
-        "--tpot-slo-ms": ("45", "tpot_slo_ms", 45.0),
-        "--max-queued-requests": ("8", "max_queued_requests", 8),
-        "--max-queued-tokens": ("9000", "max_queued_tokens", 9000),
-        "--encoder-url": ("tcp://127.0.0.1:9", "encoder_url", "tcp://127.0.0.1:9"),
-        "--encoder-workers": ("2", "encoder_workers", 2),
-        "--encoder-threads": ("3", "encoder_threads", 3),
-        "--encoder-nice": ("4", "encoder_nice", 4),
-        "--encoder-timeout": ("5.5", "encoder_timeout_s", 5.5),
-        "--encoder-auth-token-file": ("/nonexistent/token", "encoder_auth_token_file", "/nonexistent/token"),
-        "--encoder-fallback": ("fail", "encoder_fallback", "fail"),
-        "--no-enable-prefix-caching": (None, "enable_prefix_caching", False),
-        "--slo-admission": (None, "slo_admission", True),
+    given = {  # flag: (EngineConfig's field, its value)
+        "--dtype": ("dtype", "float32"),
+        "--device": ("device", "cuda:1"),
+        "--block-size": ("block_size", 32),
+        "--max-num-batched-tokens": ("max_num_batched_tokens", 1000),
+        "--max-num-seqs": ("max_num_seqs", 7),
+        "--max-model-len": ("max_model_len", 999),
+        "--num-kv-blocks": ("num_kv_blocks", 77),
+        "--attention-backend": ("attention_backend", "torch"),
+        "--kv-cache-memory": ("kv_cache_memory", 1 << 30),
+        "--memory-utilization": ("memory_utilization", 0.5),
+        "--preprocess-workers": ("preprocess_workers", 3),
+        "--embedding-cache-mb": ("embedding_cache_bytes", 5 << 20),
+        "--redis-url": ("redis_url", "redis://127.0.0.1:1/0"),
+        "--redis-key-prefix": ("redis_key_prefix", "q:"),
+        "--hash-algorithm": ("hash_algorithm", "sha256"),
+        "--visual-budget": ("visual_budget", "fixed"),
+        "--visual-level": ("visual_level", 1),
+        "--ttft-slo-ms": ("ttft_slo_ms", 123.0),
+        "--tpot-slo-ms": ("tpot_slo_ms", 45.0),
+        "--max-queued-requests": ("max_queued_requests", 8),
+        "--max-queued-tokens": ("max_queued_tokens", 9000),
+        "--encoder-url": ("encoder_url", "tcp://127.0.0.1:9"),
+        "--encoder-workers": ("encoder_workers", 2),
+        "--encoder-threads": ("encoder_threads", 3),
+        "--encoder-nice": ("encoder_nice", 4),
+        "--encoder-timeout": ("encoder_timeout_s", 5.5),
+        "--encoder-auth-token-file": ("encoder_auth_token_file", "/nonexistent/token"),
+        "--encoder-fallback": ("encoder_fallback", "fail"),
+        "--no-enable-prefix-caching": ("enable_prefix_caching", False),
+        "--slo-admission": ("slo_admission", True),
     }
+    typed = {"--kv-cache-memory": "1GiB", "--embedding-cache-mb": "5"}  # as typed, where not str(value)
     argv = ["serve", "--model", str(tiny_ckpt)]
-    for flag, (typed, _, _) in given.items():
-        argv += [flag] if typed is None else [flag, typed]
+    for flag, (_, value) in given.items():
+        argv += [flag] if isinstance(value, bool) else [flag, typed.get(flag, str(value))]
     assert main(argv) == 0
     engine = got["s"].engine
     engine_flags = [a.dest for a in _serve_flags() if a.dest not in SERVE_NOT_SETTINGS]
@@ -298,7 +303,7 @@ def test_the_serve_command_builds_its_engine_config_from_every_flag(monkeypatch,
     defaults = {
         _serve_field(d)[1].name: SERVE_CONVERTED.get(d, lambda v: v)(defaults[d]) for d in engine_flags
     }
-    assert sorted(defaults) == sorted(field for _, field, _ in given.values())  # every engine flag is given
-    for _, field, value in given.values():
+    assert sorted(defaults) == sorted(field for field, _ in given.values())  # every engine flag is given
+    for field, value in given.values():
         assert getattr(engine, field) == value != defaults[field], field
     assert engine.model == str(tiny_ckpt)
