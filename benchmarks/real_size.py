@@ -78,6 +78,7 @@ FULL = {
     "repeats": 3,
 }
 QUICK = {"tokens": 16, "streams": "1,4", "prefill_tokens": 256, "images": 2, "image_tokens": 8, "repeats": 1}
+GIB = 2**30
 RSS_BOUND_SLACK = int(1.5e9)  # issue 51: resident memory within weights + KV pool + 1.5 GB
 STARTUP_LINE = re.compile(r"start-up ([0-9.]+) s: (.*)")
 _T0 = time.perf_counter()
@@ -996,9 +997,6 @@ def ratios(result: dict) -> dict:
         for part in ("tower", "prefill"):
             out[f"{part}_{dtype}_vs_matmul"] = harness.ratio(_get(row, part, "gflops"), mm)
     return out
-
-
-GIB = 2**30
 
 
 def summary_table(result: dict) -> str:
