@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from api import flags
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from api.media import MediaConfig
 
 # NOTE: nothing heavy at module level (each function imports what it needs): worker processes that
@@ -45,7 +47,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=e("max_num_batched_tokens"))
     p.add_argument("--max-num-seqs", type=int, default=e("max_num_seqs"))
     p.add_argument("--max-model-len", type=int, default=e("max_model_len"))
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=e("enable_prefix_caching"),
+    )
     p.add_argument(
         "--num-kv-blocks", type=int, default=e("num_kv_blocks"), help="fixed KV pool size (default: measured)"
     )
@@ -108,27 +115,22 @@ def _process_settings(args: argparse.Namespace) -> None:
         os.environ[REMEASURE_VARIABLE] = "1"
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        kv_cache_memory=args.kv_cache_memory,
-        memory_utilization=args.memory_utilization,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_kv_blocks=args.num_kv_blocks,
+def _engine_kwargs(args: argparse.Namespace, **given) -> dict:
+    """EngineConfig's fields from the engine flags (serve, batch, demo): every flag named as its field
+    (``flags.fields_from``), the two the command line says otherwise, and ``given``. The model is the caller's
+    (serve and batch resolve the demo's)."""
+    from lm_engine.config import EngineConfig
+
+    kwargs = flags.fields_from(
+        EngineConfig,
+        args,
         preprocess_workers=(
             min(4, os.cpu_count() or 1) if args.preprocess_workers is None else args.preprocess_workers
         ),
         embedding_cache_bytes=args.embedding_cache_mb << 20,
-        redis_url=args.redis_url,
-        redis_key_prefix=args.redis_key_prefix,
-        hash_algorithm=args.hash_algorithm,
-        attention_backend=args.attention_backend,
+        **given,
     )
+    return {k: v for k, v in kwargs.items() if k != "model"}
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -166,6 +168,13 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         "alone, from a trained checkpoint.",
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    _add_tool_phase_args(p, t)
+    _add_training_args(p, t)
+    p.set_defaults(func=cmd_train_demo)
+
+
+def _add_tool_phase_args(p: argparse.ArgumentParser, t: Callable[[str], object]) -> None:
+    """train-demo's --from and the tool phase's settings (``t``: a TrainConfig default by name)."""
     p.add_argument(
         "--from",
         dest="base",
@@ -220,6 +229,10 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="with --from: the picture kinds asked with tools, e.g. single=0.5,many=0.25,number=0.25 "
         "(default: %(default)s)",
     )
+
+
+def _add_training_args(p: argparse.ArgumentParser, t: Callable[[str], object]) -> None:
+    """train-demo's settings of the first two phases (the tower alone, then the whole model)."""
     p.add_argument(
         "--seed", type=int, default=t("seed"), help="initialisation and task-set seed (default: %(default)s)"
     )
@@ -271,7 +284,6 @@ def _add_train_demo_parser(sub: argparse._SubParsersAction) -> None:
         help="matmuls under bfloat16 autocast or in float32; auto: bfloat16 where a start-up timing finds it "
         "fast on this CPU (AVX512-BF16, AMX), float32 where it is emulated (default: %(default)s)",
     )
-    p.set_defaults(func=cmd_train_demo)
 
 
 def _kind_shares(text: str) -> tuple[tuple[str, float], ...]:
@@ -385,8 +397,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
     """What a request may carry and where its images may come from (serve and batch alike)."""
-    from api.config import DEFAULT_IMAGE_LIMIT, parse_limit_mm
-    from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT
+    from api.config import DEFAULT_IMAGE_LIMIT, ServerArgs, parse_limit_mm
+    from api.media import MediaConfig
+
+    media = functools.partial(flags.default, MediaConfig)
 
     p.add_argument(
         "--served-model-name",
@@ -397,30 +411,31 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--limit-mm-per-prompt",
         type=parse_limit_mm,
-        default={},
+        default=flags.default(ServerArgs, "limit_mm_per_prompt"),
         help=f"items per request, e.g. image=4 or '{{\"image\": 4}}' (default: image={DEFAULT_IMAGE_LIMIT})",
     )
     p.add_argument(
         "--allowed-local-media-path",
-        default=None,
+        default=media("allowed_local_path"),
         help="serve file:// image URLs from under this directory only (default: file:// refused)",
     )
     p.add_argument(
         "--allowed-media-domains",
         nargs="+",
-        default=[],
+        default=sorted(media("allowed_domains")),
         help="image URL hosts that may be fetched even when they resolve to private/loopback addresses",
     )
     p.add_argument(
         "--allow-private-media",
         action="store_true",
+        default=media("allow_private"),
         help="fetch image URLs on private, loopback and link-local addresses (trusted networks only)",
     )
-    p.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per-image byte cap")
+    p.add_argument("--max-media-bytes", type=int, default=media("max_bytes"), help="per-image byte cap")
     p.add_argument(
         "--media-fetch-timeout",
         type=float,
-        default=DEFAULT_READ_TIMEOUT,
+        default=media("read_timeout"),
         help="read timeout (s) for image URLs",
     )
 
@@ -474,13 +489,46 @@ def _check_visual_level(args: argparse.Namespace, model: str) -> None:
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:
-    from api.config import ConnectionLimits, ServerArgs
+    from api.config import ServerArgs
 
     srv = functools.partial(flags.default, ServerArgs)
     p.add_argument(
         "--host", default=srv("host"), help="address to bind (default: 127.0.0.1, this machine only)"
     )
     p.add_argument("--port", type=int, default=srv("port"))
+    _add_client_args(p)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=srv("max_request_bytes"),
+        help="largest request body accepted (data: URLs included); larger ones get 413",
+    )
+    _add_media_args(p)
+    p.add_argument(
+        "--uvicorn-log-level",
+        default=srv("log_level"),
+        choices=["critical", "error", "warning", "info", "debug"],
+    )
+    p.add_argument(
+        "--replica-name",
+        default=srv("replica_name"),
+        help="name this server as a replica: every response carries it in x-vlmserve-replica",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=srv("reasoning_parser"),
+        choices=["qwen3"],
+        help="read a <think>...</think> block in the output as message.reasoning_content (Qwen3-VL Thinking); "
+        "structured output and tool grammars apply after it",
+    )
+    _add_load_args(p)
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    """serve's clients and tenants: API keys, caches per key, proxies, fairness, connection limits."""
+    from api.config import ConnectionLimits, ServerArgs
+
+    srv = functools.partial(flags.default, ServerArgs)
     sec = p.add_argument_group("clients and tenants (README: Security)")
     sec.add_argument(
         "--api-key",
@@ -504,64 +552,41 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     sec.add_argument(
         "--metrics-public",
         action="store_true",
+        default=srv("metrics_public"),
         help="serve /metrics without an API key even when keys are set",
     )
     sec.add_argument(
         "--trusted-proxies",
-        default="",
+        default=",".join(srv("trusted_proxies")),
         help="comma-separated addresses of balancers whose X-Forwarded-For names the client (default: none; "
         "the peer's own address is the client's)",
     )
     sec.add_argument(
         "--fair-share-by-user",
         action="store_true",
+        default=srv("fair_share_by_user"),
         help="share prefill fairly by the request's 'user' field too (only behind a gateway that sets it: "
         "otherwise a client names itself); default: by API key, else by client address",
     )
-    limits = ConnectionLimits()
+    limits = functools.partial(flags.default, ConnectionLimits)
     sec.add_argument(
         "--header-timeout",
         type=float,
-        default=limits.header_timeout_s,
+        default=limits("header_timeout_s"),
         help="seconds a request's head may take to arrive (then 408 and the connection is closed)",
     )
     sec.add_argument(
         "--body-timeout",
         type=float,
-        default=limits.body_timeout_s,
+        default=limits("body_timeout_s"),
         help="seconds a request's body may take to arrive after its head",
     )
     sec.add_argument(
         "--max-connections",
         type=int,
-        default=limits.max_connections,
+        default=limits("max_connections"),
         help="open client connections at most; a new one past it gets 503 and is closed",
     )
-    p.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=srv("max_request_bytes"),
-        help="largest request body accepted (data: URLs included); larger ones get 413",
-    )
-    _add_media_args(p)
-    p.add_argument(
-        "--uvicorn-log-level",
-        default=srv("log_level"),
-        choices=["critical", "error", "warning", "info", "debug"],
-    )
-    p.add_argument(
-        "--replica-name",
-        default=None,
-        help="name this server as a replica: every response carries it in x-vlmserve-replica",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=["qwen3"],
-        help="read a <think>...</think> block in the output as message.reasoning_content (Qwen3-VL Thinking); "
-        "structured output and tool grammars apply after it",
-    )
-    _add_load_args(p)
 
 
 def _add_load_args(p: argparse.ArgumentParser) -> None:
@@ -628,7 +653,6 @@ def _api_keys(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api import encoder_command as encoder_tier
     from api.config import ConnectionLimits, ServerArgs
     from api.server import run_server
     from lm_engine.config import EngineConfig
@@ -647,18 +671,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, names = _default_model(args)
     _check_visual_level(args, model)
     server_args = ServerArgs(
-        engine=EngineConfig(
-            model=model,
-            **_engine_kwargs(args),
-            visual_budget=args.visual_budget,
-            visual_level=args.visual_level,
-            ttft_slo_ms=args.ttft_slo_ms,
-            slo_admission=args.slo_admission,
-            tpot_slo_ms=args.tpot_slo_ms,
-            max_queued_requests=args.max_queued_requests,
-            max_queued_tokens=args.max_queued_tokens,
-            **encoder_tier.serve_kwargs(args),
-        ),
+        engine=EngineConfig(model=model, **_engine_kwargs(args, encoder_timeout_s=args.encoder_timeout)),
         host=args.host,
         port=args.port,
         served_model_names=names,

@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 from api import flags
 
@@ -20,25 +21,7 @@ def add_parser(sub) -> None:
         help="a pool of vision-encoder processes serving any number of `vlmserve serve --encoder-url` engines",
     )
     p.add_argument("--model", required=True, help="the checkpoint directory the engines serve")
-    p.add_argument("--port", type=int, default=d("port"), help="TCP port for engines (tcp://HOST:PORT)")
-    p.add_argument(
-        "--host",
-        default=d("host"),
-        help="address to bind (default: this machine only; any other needs --auth-token-file)",
-    )
-    p.add_argument(
-        "--auth-token-file",
-        default=None,
-        help="a file holding the secret engines must prove they hold (their --encoder-auth-token-file); "
-        "never sent, checked in the handshake; refused if every user may read it",
-    )
-    p.add_argument(
-        "--socket",
-        default=d("socket_path"),
-        help="Unix socket for engines on this host, which get embeddings as shared memory (default with "
-        "--port: encoder-PORT.sock in $XDG_RUNTIME_DIR/vlmserve, else in TMPDIR/vlmserve-UID; that "
-        "directory is made 0700, and refused if it exists with another owner or looser permissions)",
-    )
+    _add_listen_args(p, d)
     p.add_argument(
         "--workers", type=int, default=d("workers"), help="encoder processes, each with its own vision tower"
     )
@@ -78,6 +61,38 @@ def add_parser(sub) -> None:
         default=d("redis_timeout_s"),
         help="bound on each Redis call (connect, write)",
     )
+    _add_batch_limits(p, d)
+    p.add_argument(
+        "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
+    )
+    p.set_defaults(func=cmd_encoder)
+
+
+def _add_listen_args(p: argparse.ArgumentParser, d: Callable[[str], object]) -> None:
+    """Where engines reach the pool, and the secret they must hold (``d``: a TierSettings default by name)."""
+    p.add_argument("--port", type=int, default=d("port"), help="TCP port for engines (tcp://HOST:PORT)")
+    p.add_argument(
+        "--host",
+        default=d("host"),
+        help="address to bind (default: this machine only; any other needs --auth-token-file)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="a file holding the secret engines must prove they hold (their --encoder-auth-token-file); "
+        "never sent, checked in the handshake; refused if every user may read it",
+    )
+    p.add_argument(
+        "--socket",
+        default=d("socket_path"),
+        help="Unix socket for engines on this host, which get embeddings as shared memory (default with "
+        "--port: encoder-PORT.sock in $XDG_RUNTIME_DIR/vlmserve, else in TMPDIR/vlmserve-UID; that "
+        "directory is made 0700, and refused if it exists with another owner or looser permissions)",
+    )
+
+
+def _add_batch_limits(p: argparse.ArgumentParser, d: Callable[[str], object]) -> None:
+    """The bounds on a batch, a worker and an engine's connection."""
     p.add_argument("--max-batch-patches", type=int, default=d("max_batch_patches"))
     p.add_argument(
         "--batch-timeout-s",
@@ -98,10 +113,6 @@ def add_parser(sub) -> None:
         default=d("send_timeout_s"),
         help="an engine that takes no frame for this long is dropped (it never holds up the others)",
     )
-    p.add_argument(
-        "--exit-with-parent", action="store_true", help="stop when the process that started it ends"
-    )
-    p.set_defaults(func=cmd_encoder)
 
 
 def cmd_encoder(args: argparse.Namespace) -> int:
@@ -192,16 +203,4 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=e("encoder_fallback"),
         choices=["local", "fail"],
         help="when the pool is unreachable or too slow: encode in this process, or answer 503 with Retry-After",
-    )
-
-
-def serve_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        encoder_url=args.encoder_url,
-        encoder_workers=args.encoder_workers,
-        encoder_threads=args.encoder_threads,
-        encoder_nice=args.encoder_nice,
-        encoder_timeout_s=args.encoder_timeout,
-        encoder_fallback=args.encoder_fallback,
-        encoder_auth_token_file=args.encoder_auth_token_file,
     )

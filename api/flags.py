@@ -21,10 +21,15 @@ def default(cls, name: str):
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+def fields_from(cls, args: argparse.Namespace, **given) -> dict:
+    """The parsed flags named as fields of ``cls``, and ``given`` (what a flag does not say as is)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {**{k: v for k, v in vars(args).items() if k in names}, **given}
+
+
 def settings_from(cls, args: argparse.Namespace, **given):
     """``cls`` built from the parsed flags named as its fields, and ``given`` (what a flag does not say as is)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{**{k: v for k, v in vars(args).items() if k in names}, **given})
+    return cls(**fields_from(cls, args, **given))
 
 
 def add_compute(p: argparse.ArgumentParser | argparse._ArgumentGroup, cls) -> None:

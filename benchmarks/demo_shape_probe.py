@@ -79,7 +79,7 @@ def vary_task_set(black_on_white: bool, radius: str | None) -> None:
         tasks._MAKERS["single"] = single
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", choices=["task", "easy"], default="task")
     ap.add_argument("--max-pixels", type=int, default=12544)
@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--filter-init", action="store_true", help="start the patch embedding from edge filters")
     ap.add_argument("--eval-every", type=int, default=40, help="steps between held-out checks (96 images)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     vary_task_set(args.black_on_white, args.radius)
 
     import torch
@@ -148,15 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = [(e.data, tasks.SHAPES.index(e.qa["shape"])) for e in exs]
         patches = [preprocess(data, pre, args.max_pixels) for data, _ in batch]
         if args.dense:
-            kinds, covers = [], []
-            for e, p in zip(exs, patches):
-                _, gh, gw = p.grid_thw
-                cov = torch.from_numpy(tasks.coverage(e, gh, gw)).amax(dim=0)  # [gh, gw], one shape
-                order = demo_train.patch_order(gh, gw)
-                label = tasks.SHAPES.index(e.qa["shape"]) + 1
-                kinds.append(torch.where(cov > 0.15, label, 0).flatten()[order])
-                covers.append(cov.flatten()[order])
-            kinds, covers = torch.cat(kinds), torch.cat(covers)
+            kinds, covers = patch_targets(exs, patches)
         pixels = torch.cat([torch.from_numpy(p.patches) for p in patches])
         grid = torch.tensor([p.grid_thw for p in patches])
         target = torch.tensor([k for _, k in batch])
@@ -192,6 +188,25 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step:4d}  loss {loss.item():.3f}  batch accuracy {acc:.2f}  {time.perf_counter() - t0:5.0f} s"
             )
     return 0
+
+
+def patch_targets(exs: list, patches: list) -> tuple:
+    """The per-patch heads' targets, in the tower's patch order: each patch's kind of shape (0: none, where the
+    shape covers 15 % of it or less) and how much of it the shape covers."""
+    import torch
+
+    from tools import demo_tasks as tasks
+    from tools import demo_train
+
+    kinds, covers = [], []
+    for e, p in zip(exs, patches):
+        _, gh, gw = p.grid_thw
+        cov = torch.from_numpy(tasks.coverage(e, gh, gw)).amax(dim=0)  # [gh, gw], one shape
+        order = demo_train.patch_order(gh, gw)
+        label = tasks.SHAPES.index(e.qa["shape"]) + 1
+        kinds.append(torch.where(cov > 0.15, label, 0).flatten()[order])
+        covers.append(cov.flatten()[order])
+    return torch.cat(kinds), torch.cat(covers)
 
 
 if __name__ == "__main__":

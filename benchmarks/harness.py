@@ -430,6 +430,16 @@ def summarize_run(res: load.RunResult, slo_ttft_ms: float | None, slo_tpot_ms: f
     )
 
 
+def time_each(fn: Callable[[], object], n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn``, one after another."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -475,6 +485,19 @@ def add_common_args(p: argparse.ArgumentParser, *, requests: str, max_tokens: st
     p.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
     p.add_argument("--request-timeout-s", type=float, default=900.0)
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
+
+
+def add_run_args(p: argparse._ActionsContainer, name: str) -> None:
+    """--vlmserve-arg (repeatable: for every server the script starts) and --out-dir (default: results/NAME)."""
+    p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR / name))
+
+
+def quick_or_full(args: argparse.Namespace, **sizes: tuple[int, int]) -> None:
+    """Each option named in ``sizes`` that the command line left unset (or 0) takes its (--quick, full run) value."""
+    for name, (quick, full) in sizes.items():
+        if not getattr(args, name):
+            setattr(args, name, quick if args.quick else full)
 
 
 def build_trace(args: argparse.Namespace, n: int | None = None, seed: int | None = None) -> load.Trace:

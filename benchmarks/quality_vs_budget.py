@@ -50,14 +50,15 @@ import httpx
 from benchmarks import load
 from benchmarks.harness import (
     OUT_DIR,
-    RESULTS_DIR,
     ServerProcess,
+    add_run_args,
     arg_parser,
     bulk_dir,
     contention_note,
     fmt,
     free_port,
     machine,
+    quick_or_full,
     results_header,
     run_main,
     vlmserve_here_argv,
@@ -534,24 +535,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
         )
         run["quality"] = q
 
-    def ratio_key(key: str, base: str) -> str:
-        """adaptive against ``base``: the plain key against fixed (as before the fixed+admission run existed),
-        "<key> vs <base>" against any other run."""
-        return key if base == "fixed" else f"{key} vs {base}"
-
-    bases = [b for b in runs if b != "adaptive"] if "adaptive" in runs else []
-    ratios = {}
-    for base in bases:
-        f, a = runs[base], runs["adaptive"]
-        for key, fx, ax in (
-            ("goodput", f["summary"]["goodput"], a["summary"]["goodput"]),
-            (
-                "correct_within_slo_per_s",
-                f["quality"]["correct_within_slo_per_s"],
-                a["quality"]["correct_within_slo_per_s"],
-            ),
-        ):
-            ratios[ratio_key(key, base)] = ax / fx if fx else (float("inf") if ax else None)
+    ratios = overload_ratios(runs)
     quick = " [QUICK]" if args.quick else ""
     how = f"(calibrated: {calib['mode']}, {calib['requests']} requests)" if calib else "(given)"
     header = (
@@ -564,15 +548,7 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
     latency = run_table([(k, v["summary"], v["verdict"]) for k, v in runs.items()])
     quality = overload_table([(k, v["summary"], v["quality"]) for k, v in runs.items()])
 
-    def ratio(key: str) -> str:
-        r = ratios.get(key)
-        return "∞ (the other: none)" if r == float("inf") else fmt(r) + "×"
-
-    ratio_line = "\n\n".join(
-        f"adaptive / {base}: goodput {ratio(ratio_key('goodput', base))}, correct answers per second within "
-        f"the SLOs {ratio(ratio_key('correct_within_slo_per_s', base))}"
-        for base in bases
-    )
+    ratio_line = ratio_lines(runs, ratios)
     meters = {k: v["cpu"] for k, v in runs.items()}
     print(
         "\n\n".join(["", header, quality, latency, ratio_line, contention_note(meters)]),
@@ -625,6 +601,46 @@ def run_overload(args: argparse.Namespace, model: Path, label: str, out_dir: Pat
     return failed_any(runs)
 
 
+def _bases(runs: dict[str, dict]) -> list[str]:
+    """The runs adaptive is compared with (none without an adaptive run)."""
+    return [b for b in runs if b != "adaptive"] if "adaptive" in runs else []
+
+
+def _ratio_key(key: str, base: str) -> str:
+    """adaptive against ``base``: the plain key against fixed (as before the fixed+admission run existed),
+    "<key> vs <base>" against any other run."""
+    return key if base == "fixed" else f"{key} vs {base}"
+
+
+def overload_ratios(runs: dict[str, dict]) -> dict:
+    """adaptive's goodput and correct answers per second within the SLOs over each other run's."""
+    ratios = {}
+    for base in _bases(runs):
+        f, a = runs[base], runs["adaptive"]
+        for key, fx, ax in (
+            ("goodput", f["summary"]["goodput"], a["summary"]["goodput"]),
+            (
+                "correct_within_slo_per_s",
+                f["quality"]["correct_within_slo_per_s"],
+                a["quality"]["correct_within_slo_per_s"],
+            ),
+        ):
+            ratios[_ratio_key(key, base)] = ax / fx if fx else (float("inf") if ax else None)
+    return ratios
+
+
+def ratio_lines(runs: dict[str, dict], ratios: dict) -> str:
+    def ratio(key: str) -> str:
+        r = ratios.get(key)
+        return "∞ (the other: none)" if r == float("inf") else fmt(r) + "×"
+
+    return "\n\n".join(
+        f"adaptive / {base}: goodput {ratio(_ratio_key('goodput', base))}, correct answers per second within "
+        f"the SLOs {ratio(_ratio_key('correct_within_slo_per_s', base))}"
+        for base in _bases(runs)
+    )
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -652,14 +668,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # Poisson load; 48 clients calibrated 53.5 (the default here).
     add_overload_args(g, slo_ttft_ms=2000.0, calib_clients=48, budgets="fixed,fixed+admission,adaptive")
     g.add_argument("--warmup", type=int, default=2, help="unmeasured 224² requests per server first")
-    p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR / "quality_vs_budget"))
+    add_run_args(p, "quality_vs_budget")
     args = p.parse_args(argv)
     if args.skip_accuracy and args.skip_overload:
         p.error("--skip-accuracy and --skip-overload leave nothing to run")
-    args.per_task = args.per_task or (10 if args.quick else 200)
-    args.overload_n = args.overload_n or (40 if args.quick else 800)
-    args.calib_n = args.calib_n or (12 if args.quick else 480)
+    quick_or_full(args, per_task=(10, 200), overload_n=(40, 800), calib_n=(12, 480))
     finish_overload_args(p, args)
     return args
 

@@ -78,6 +78,7 @@ FULL = {
     "repeats": 3,
 }
 QUICK = {"tokens": 16, "streams": "1,4", "prefill_tokens": 256, "images": 2, "image_tokens": 8, "repeats": 1}
+GIB = 2**30
 RSS_BOUND_SLACK = int(1.5e9)  # issue 51: resident memory within weights + KV pool + 1.5 GB
 STARTUP_LINE = re.compile(r"start-up ([0-9.]+) s: (.*)")
 _T0 = time.perf_counter()
@@ -184,11 +185,7 @@ def read_bandwidth(nbytes: int, repeat: int) -> dict:
 
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t0)
+    times = harness.time_each(buf.sum, repeat)
     del buf
     gc.collect()
     return {
@@ -1007,8 +1004,12 @@ def ratios(result: dict) -> dict:
 
 
 def summary_table(result: dict) -> str:
-    vl, peer = result.get("vlmserve") or {}, result.get("llamacpp") or {}
-    r = result["ratios"]
+    """The run's summary as printed and written beside its results.json: the machine and the weights, the table of
+    vlmserve against llama.cpp, then the run's notes (start-up, errors, the in-process tower and prefill)."""
+    return "\n".join([*_machine_lines(result), *_comparison_table(result), *_run_notes(result)])
+
+
+def _machine_lines(result: dict) -> list[str]:
     m = result.get("machine") or {}
     lines = [
         f"real_size: {result['label']}  ({result['model']})",
@@ -1030,11 +1031,17 @@ def summary_table(result: dict) -> str:
             f"{w['floor_bytes'] / 1e9:.2f} GB: floor {harness.fmt(fl.get('ms_best'), '.1f')} ms/token "
             f"(before {harness.fmt(fl.get('ms_before'), '.1f')}, after {harness.fmt(fl.get('ms_after'), '.1f')})"
         )
+    return lines
+
+
+def _comparison_table(result: dict) -> list[str]:
+    vl, peer = result.get("vlmserve") or {}, result.get("llamacpp") or {}
+    r = result["ratios"]
     peer_name = (
         "llama.cpp" if peer and "skipped" not in peer else "llama.cpp: " + ("skipped" if peer else "none")
     )
     head = f"| {'':34} | {'vlmserve':>14} | {peer_name[:40]:>14} | {'ratio':>8} |"
-    lines += ["", head, "|" + "-" * (len(head) - 2) + "|"]
+    lines = ["", head, "|" + "-" * (len(head) - 2) + "|"]
 
     def row(label: str, a, b, ratio=None, spec: str = ".1f") -> None:
         lines.append(
@@ -1049,7 +1056,6 @@ def summary_table(result: dict) -> str:
         None,
         ".0f",
     )
-    st = vl.get("startup")
     for k in sorted((vl.get("decode") or {}), key=int):
         a, b = _get(vl, "decode", k, "ms_per_token_mean"), _get(peer, "decode", k, "ms_per_token_mean")
         row(f"decode {k} stream(s), ms/token", a, b, r.get(f"decode_{k}_vs_peer"))
@@ -1095,39 +1101,25 @@ def summary_table(result: dict) -> str:
         toks = [_get(x, "images", "prompt_tokens") for x in (vl, peer)]
         means = [float(np.mean([t for t in ts if t])) if ts and any(ts) else None for ts in toks]
         row("  prompt tokens per request, mean", *means, None, ".0f")
-    gib = 2**30
-    row(
-        "RSS after warm-up, GiB",
-        _get(vl, "rss_after_warmup", "bytes") and vl["rss_after_warmup"]["bytes"] / gib,
-        _get(peer, "rss_after_warmup", "bytes") and peer["rss_after_warmup"]["bytes"] / gib,
-        None,
-        ".2f",
-    )
-    row(
-        "RSS after the load, GiB",
-        _get(vl, "rss_after_load", "bytes") and vl["rss_after_load"]["bytes"] / gib,
-        _get(peer, "rss_after_load", "bytes") and peer["rss_after_load"]["bytes"] / gib,
-        None,
-        ".2f",
-    )
-    row(
-        "RSS peak (sampled), GiB",
-        (vl.get("rss_peak_bytes") or 0) / gib or None,
-        (peer.get("rss_peak_bytes") or 0) / gib or None,
-        None,
-        ".2f",
-    )
-    row(
-        "KV pool, GiB",
-        (vl.get("kv_cache_bytes") or 0) / gib or None,
-        (peer.get("kv_cache_bytes") or 0) / gib or None,
-        None,
-        ".2f",
-    )
+    for label, key in (
+        ("RSS after warm-up, GiB", "rss_after_warmup"),
+        ("RSS after the load, GiB", "rss_after_load"),
+    ):
+        row(label, *(_get(x, key, "bytes") and x[key]["bytes"] / GIB for x in (vl, peer)), None, ".2f")
+    for label, key in (("RSS peak (sampled), GiB", "rss_peak_bytes"), ("KV pool, GiB", "kv_cache_bytes")):
+        row(label, *((x.get(key) or 0) / GIB or None for x in (vl, peer)), None, ".2f")
+    return lines
+
+
+def _run_notes(result: dict) -> list[str]:
+    vl, peer = result.get("vlmserve") or {}, result.get("llamacpp") or {}
+    r = result["ratios"]
+    st = vl.get("startup")
+    lines = []
     if r.get("rss_bound_bytes"):
         lines.append(
             f"vlmserve RSS (peak of after-load and sampled) ÷ (weights + KV pool + 1.5 GB = "
-            f"{r['rss_bound_bytes'] / gib:.2f} GiB): {r['rss_vs_bound']:.2f}"
+            f"{r['rss_bound_bytes'] / GIB:.2f} GiB): {r['rss_vs_bound']:.2f}"
         )
     if st:
         lines.append(
@@ -1156,7 +1148,7 @@ def summary_table(result: dict) -> str:
                 )
             elif x:
                 lines.append(f"in-process {dtype} {what}: {x.get('skipped') or x.get('error')}")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------- main

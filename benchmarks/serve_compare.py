@@ -236,18 +236,7 @@ def run_compare(args: argparse.Namespace) -> int:
             "records": [r.to_json() for r in res.records],
         }
 
-    ours = runs["vlmserve"]["summary"]
-    theirs = runs.get("transformers serve", {}).get("summary")
-    ratios = {}
-    if theirs is not None:
-        ratios = {
-            "request_throughput": ratio(ours["request_throughput"], theirs["request_throughput"]),
-            "output_token_throughput": ratio(
-                ours["output_token_throughput"], theirs["output_token_throughput"]
-            ),
-            "ttft_p50": ratio(ours["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]),
-            "e2e_p50": ratio(ours["e2e_ms"]["p50"], theirs["e2e_ms"]["p50"]),
-        }
+    ratios = compare_ratios(runs)
     table = compare_table([(k, v["summary"]) for k, v in runs.items()], ratios)
     meters = {k: v["cpu"] for k, v in runs.items()}
     label = checkpoint_label(args, model)
@@ -281,15 +270,7 @@ def run_compare(args: argparse.Namespace) -> int:
         machine_line(mach),
         "",
     ]
-    for k, v in runs.items():
-        md.append(f"- {k}: `{' '.join(v['argv'])}`" + (f" (env {v['env']})" if v["env"] else ""))
-        md.append(f"  startup {v['startup_s']:.1f} s")
-        if v["metrics_after"]:
-            a = v["metrics_after"]
-            md.append(
-                f"  /metrics after the run: KV blocks free {a['kv_blocks_free']:.0f} / {a['kv_blocks_total']:.0f}, "
-                f"running {a['running']:.0f}, waiting {a['waiting']:.0f} ({'no leak' if a['no_leak'] else 'LEAK'})"
-            )
+    md += server_notes(runs)
     md += [
         "",
         f"In `{bulk_dir(out_dir)}`: plots `ttft_cdf.png`, `e2e_cdf.png`, per-request records `records.json`, "
@@ -301,6 +282,35 @@ def run_compare(args: argparse.Namespace) -> int:
     load.write_plots(results, summaries, bulk)
     leak = runs["vlmserve"]["metrics_after"] and not runs["vlmserve"]["metrics_after"]["no_leak"]
     return 1 if leak or any(failed.values()) else 0
+
+
+def compare_ratios(runs: dict[str, dict]) -> dict:
+    """vlmserve's figures over transformers serve's (none where transformers was skipped)."""
+    ours = runs["vlmserve"]["summary"]
+    theirs = runs.get("transformers serve", {}).get("summary")
+    if theirs is None:
+        return {}
+    return {
+        "request_throughput": ratio(ours["request_throughput"], theirs["request_throughput"]),
+        "output_token_throughput": ratio(ours["output_token_throughput"], theirs["output_token_throughput"]),
+        "ttft_p50": ratio(ours["ttft_ms"]["p50"], theirs["ttft_ms"]["p50"]),
+        "e2e_p50": ratio(ours["e2e_ms"]["p50"], theirs["e2e_ms"]["p50"]),
+    }
+
+
+def server_notes(runs: dict[str, dict]) -> list[str]:
+    """The results page's line per server: its command, start-up time and the KV pool after the run."""
+    md = []
+    for k, v in runs.items():
+        md.append(f"- {k}: `{' '.join(v['argv'])}`" + (f" (env {v['env']})" if v["env"] else ""))
+        md.append(f"  startup {v['startup_s']:.1f} s")
+        if v["metrics_after"]:
+            a = v["metrics_after"]
+            md.append(
+                f"  /metrics after the run: KV blocks free {a['kv_blocks_free']:.0f} / {a['kv_blocks_total']:.0f}, "
+                f"running {a['running']:.0f}, waiting {a['waiting']:.0f} ({'no leak' if a['no_leak'] else 'LEAK'})"
+            )
+    return md
 
 
 # ---------------------------------------------------------------- the overload run

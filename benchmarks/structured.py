@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.engine_throughput import machine_line
-from benchmarks.harness import ensure_checkpoint
+from benchmarks.harness import ensure_checkpoint, time_each
 from lm_engine import structured
 from lm_engine.config import EngineConfig
 from lm_engine.engine import LLMEngine
@@ -116,11 +116,7 @@ def decode_steps(engine: LLMEngine, batch: int, constrained: int, tokens: int, s
         engine.step()  # the prefills and each row's first token
     engine.step()
     clock.reset()
-    steps = []
-    for _ in range(tokens):
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
+    steps = time_each(engine.step, tokens)
     for rid in ids:
         engine.abort(rid)
     return steps, clock.work / tokens, clock.engine_thread / tokens, clock.wait / tokens

@@ -35,10 +35,10 @@ from pathlib import Path
 from benchmarks import load
 from benchmarks.harness import (
     OUT_DIR,
-    RESULTS_DIR,
     NamedMode,
     ServerProcess,
     add_common_args,
+    add_run_args,
     arg_parser,
     build_trace,
     bulk_dir,
@@ -50,6 +50,7 @@ from benchmarks.harness import (
     machine,
     machine_line,
     prepare_images,
+    quick_or_full,
     refusals,
     results_header,
     run_main,
@@ -520,12 +521,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_common_args(p, requests="default 48; --quick 24", max_tokens="default 64; --quick 32")
     p.add_argument("--calib-n", type=int, help="calibration requests (default 24; --quick 12)")
     add_overload_args(p, slo_ttft_ms=10000.0, calib_clients=8, budgets="fixed,adaptive")
-    p.add_argument("--vlmserve-arg", action="append", default=[], help="extra `vlmserve serve` argument")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR / "visual_budget"))
+    add_run_args(p, "visual_budget")
     args = p.parse_args(argv)
-    args.num_requests = args.num_requests or (24 if args.quick else 48)
-    args.max_tokens = args.max_tokens or (32 if args.quick else 64)
-    args.calib_n = args.calib_n or (12 if args.quick else 24)
+    quick_or_full(args, num_requests=(24, 48), max_tokens=(32, 64), calib_n=(12, 24))
     finish_overload_args(p, args)
     return args
 

@@ -309,6 +309,10 @@ def value_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+# A row's token ids: the shared prefix (system turn and image), then (question, answer) per block.
+Row = tuple[list[int], list[tuple[list[int], list[int]]]]
+
+
 def make_batch(
     enc: Encoder,
     examples: list[tasks.Example],
@@ -335,6 +339,29 @@ def make_batch(
     steps from step 205 and from 505, forward, backward and AdamW under bf16 autocast: 51.0 -> 45.4 s and
     48.7 -> 43.6 s, the same mean loss to 4 digits; 2-vCPU AMX Xeon, 2026-12-04): the tower's forward and
     backward, with the dense heads, are most of a step."""
+    patches, grids, rows, weights = _rows(
+        enc, examples, max_pixels, task_filter, sequences, asks, value_weight
+    )
+    tower = {"pixel_values": torch.cat(patches), "grid_thw": torch.tensor(grids, dtype=torch.long)}
+    if targets:
+        tower["aux"] = aux_targets(examples) | dense_targets(examples, grids)
+    if not sequences:
+        return tower
+    looks = _looks(enc, examples, grids, rows) if targets else [[[] for _ in blocks] for _, blocks in rows]
+    return tower | _pack_rows(enc, rows, weights, looks)
+
+
+def _rows(
+    enc: Encoder,
+    examples: list[tasks.Example],
+    max_pixels: list[int],
+    task_filter,
+    sequences: bool,
+    asks: list[tuple[str, list[tuple[str, str]]]] | None,
+    value_weight: float,
+) -> tuple[list[torch.Tensor], list[tuple[int, int, int]], list[Row], list[list[list[float]]]]:
+    """``make_batch``'s images: their patches and grids, and per image its row's token ids (the prefix, then
+    (question, answer) per block) and, for a ``value_weight`` other than 1, its answers' label weights."""
     patches, grids, rows = [], [], []
     weights: list[list[list[float]]] = []  # per row, per block: the answer's label weights
     for i, (ex, mp) in enumerate(zip(examples, max_pixels)):
@@ -354,11 +381,27 @@ def make_batch(
         rows.append((enc.prefix(n_tok, system), [(enc.question(q), enc.answer(a)) for q, a in pairs]))
         if value_weight != 1.0:
             weights.append([enc.answer_weights(a, value_weight) for _, a in pairs])
-    tower = {"pixel_values": torch.cat(patches), "grid_thw": torch.tensor(grids, dtype=torch.long)}
-    if targets:
-        tower["aux"] = aux_targets(examples) | dense_targets(examples, grids)
-    if not sequences:
-        return tower
+    return patches, grids, rows, weights
+
+
+def _looks(
+    enc: Encoder, examples: list[tasks.Example], grids: list[tuple[int, int, int]], rows: list[Row]
+) -> list[list[list[tuple[int, int, int, float]]]]:
+    """``pointer_targets`` per row, per block."""
+    return [
+        [
+            pointer_targets(enc, ex, grid, answer, prefix.index(enc.ids["<|vision_start|>"]))
+            for _, answer in blocks
+        ]
+        for ex, grid, (prefix, blocks) in zip(examples, grids, rows)
+    ]
+
+
+def _pack_rows(
+    enc: Encoder, rows: list[Row], weights: list[list[list[float]]], looks: list[list[list[tuple]]]
+) -> dict:
+    """``make_batch``'s rows laid out as padded tensors (see there), with the pointer targets ``looks`` (per row,
+    per block) placed at the positions that predict each answer."""
     length = max(len(p) + sum(len(q) + len(a) for q, a in b) for p, b in rows)
     shape = (len(rows), length)
     ids = torch.full(shape, enc.ids["<|endoftext|>"], dtype=torch.long)
@@ -370,11 +413,6 @@ def make_batch(
     seq = 0
     pointer: list[tuple[int, int, int, int, float]] = []  # (row, query, key, head, weight)
     for row, (prefix, blocks) in enumerate(rows):
-        sink = prefix.index(enc.ids["<|vision_start|>"])
-        looks = [
-            pointer_targets(enc, examples[row], grids[row], answer, sink) if targets else []
-            for _, answer in blocks
-        ]
         ids[row, : len(prefix)] = torch.tensor(prefix)
         block[row, : len(prefix)] = 0
         start = len(prefix)
@@ -389,27 +427,23 @@ def make_batch(
             if label_weight is not None:
                 label_weight[row, end - len(answer) - 1 : end - 1] = torch.tensor(weights[row][k - 1])
             first = end - len(answer) - 1  # the position predicting the answer's first token
-            pointer.extend((row, first + j, key, head, w) for j, key, head, w in looks[k - 1])
+            pointer.extend((row, first + j, key, head, w) for j, key, head, w in looks[row][k - 1])
             start, seq = end, seq + 1
     extra = {} if label_weight is None else {"label_weight": label_weight}
-    return (
-        tower
-        | extra
-        | {
-            "input_ids": ids,
-            "block": block,
-            "offset": offset,
-            "labels": labels,
-            "label_seq": label_seq,
-            "sequences": seq,
-            "pointer": {
-                name: torch.tensor(
-                    [t[i] for t in pointer], dtype=torch.float32 if name == "weight" else torch.long
-                )
-                for i, name in enumerate(("row", "query", "key", "head", "weight"))
-            },
-        }
-    )
+    return extra | {
+        "input_ids": ids,
+        "block": block,
+        "offset": offset,
+        "labels": labels,
+        "label_seq": label_seq,
+        "sequences": seq,
+        "pointer": {
+            name: torch.tensor(
+                [t[i] for t in pointer], dtype=torch.float32 if name == "weight" else torch.long
+            )
+            for i, name in enumerate(("row", "query", "key", "head", "weight"))
+        },
+    }
 
 
 # The decoder's supervised pointer (``TrainConfig.pointer_weight``): two heads of one layer are taught where to
@@ -1206,7 +1240,7 @@ def train(
     """Train and write the checkpoint directory; returns its path. ``tower_snapshot``: a directory that keeps
     the tower phase's result (``save_tower_phase``); a run whose phase-1 settings match one kept there starts
     phase 2 from it, and writes the weights the whole run would."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or _log_to_stderr
     # NOTE: every batch packs another number of patches, and oneDNN kept a bfloat16 primitive (and its buffers)
     # per shape: a default run grew to 24 GB and was killed by the OOM killer in its last minutes (2026-12-03,
     # Xeon with AMX, 24 GiB). Capped as the server caps them; before the first matmul (the dtype probe's).
@@ -1236,13 +1270,50 @@ def train(
     t0 = time.perf_counter()
     tower_seconds = None
     if cfg.tower_steps and aux is not None:
-        snapshot = Path(tower_snapshot) if tower_snapshot is not None else None
-        tower_seconds = load_tower_phase(snapshot, cfg, model, aux, opt, log) if snapshot else None
-        if tower_seconds is None:
-            train_tower(model, aux, opt, out, cfg, log, t0)
-            if snapshot:
-                save_tower_phase(snapshot, cfg, model, aux, opt, time.perf_counter() - t0)
-                log(f"[train-demo] kept the tower phase's result in {snapshot}")
+        tower_seconds = tower_phase(model, aux, opt, out, cfg, log, t0, tower_snapshot)
+    freeze_lower_tower(model, cfg.frozen_tower_blocks)
+    train_whole_model(model, aux, named, opt, out, cfg, log, t0, enc, held_out)
+    save_weights(model, out)
+    meta = _run_record(cfg, {"parameters": n_params}, t0, caches)
+    if tower_seconds is not None:  # phase 1 came from a snapshot: "seconds" is phase 2's alone
+        meta["tower_phase_from"] = {"snapshot": str(tower_snapshot), "seconds": round(tower_seconds, 1)}
+    _write_run_record(out, meta, log)
+    return out
+
+
+def _log_to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def tower_phase(
+    model, aux: AuxHeads, opt, out: Path, cfg: TrainConfig, log, t0: float, tower_snapshot: str | Path | None
+) -> float | None:
+    """Phase 1: read from ``tower_snapshot`` where a run with the same phase-1 settings kept it there (returns
+    that run's seconds), else trained here (returns None, and keeps the result there when a directory is named)."""
+    snapshot = Path(tower_snapshot) if tower_snapshot is not None else None
+    tower_seconds = load_tower_phase(snapshot, cfg, model, aux, opt, log) if snapshot else None
+    if tower_seconds is None:
+        train_tower(model, aux, opt, out, cfg, log, t0)
+        if snapshot:
+            save_tower_phase(snapshot, cfg, model, aux, opt, time.perf_counter() - t0)
+            log(f"[train-demo] kept the tower phase's result in {snapshot}")
+    return tower_seconds
+
+
+def train_whole_model(
+    model,
+    aux: AuxHeads | None,
+    named: list[tuple[str, torch.nn.Parameter]],
+    opt,
+    out: Path,
+    cfg: TrainConfig,
+    log,
+    t0: float,
+    enc: Encoder,
+    held_out: list[tuple[tasks.Example, str]],
+) -> None:
+    """Phase 2: the whole model (less the frozen lower tower) on the five questions, with held-out accuracy
+    every ``cfg.eval_every`` steps. NOTE: gradients are clipped over ``named``'s order (``optimizer_step``)."""
     # NOTE: batches are made in this process, between steps (~0.1 s of one core each). A DataLoader worker
     # made them while the step ran, but on two cores it took one from the step's two threads: 60 + 60 steps
     # ran at 20.3 and 6.9 images/s with the worker, 22.0 and 8.5 without (Xeon with AMX).
@@ -1267,7 +1338,6 @@ def train(
     # backward and the matmuls are what is left.
     # NOTE: OMP_WAIT_POLICY=ACTIVE (spinning OpenMP threads) measured the same day: 81 tower steps at 40.4-43.0
     # img/s against 42.0-44.4 by default, the same weights to the byte. Not a lever here.
-    freeze_lower_tower(model, cfg.frozen_tower_blocks)
     loader = TrainBatches(out, cfg)
     phase2 = time.perf_counter()
     seen = 0
@@ -1292,21 +1362,24 @@ def train(
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
             acc = evaluate(model, enc, cfg, held_out, int(enc.pre.max_pixels * cfg.eval_fraction))
             log("[train-demo] held-out exact match: " + " ".join(f"{t} {a:.2f}" for t, a in acc.items()))
-    save_weights(model, out)
-    meta = {
+
+
+def _run_record(cfg: TrainConfig, head: dict, t0: float, caches: dict) -> dict:
+    """A run's demo_training.json: its settings, ``head``, then its time, torch, dtype and memory."""
+    return {
         "train_config": dataclasses.asdict(cfg),
-        "parameters": n_params,
+        **head,
         "seconds": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
         "autocast": "bfloat16" if cfg.bf16() else "float32",
         "native_caches": caches,
         "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),
     }
-    if tower_seconds is not None:  # phase 1 came from a snapshot: "seconds" is phase 2's alone
-        meta["tower_phase_from"] = {"snapshot": str(tower_snapshot), "seconds": round(tower_seconds, 1)}
+
+
+def _write_run_record(out: Path, meta: dict, log) -> None:
     (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
-    return out
 
 
 # The fields phase 1 does not read: a tower phase kept under other values of these is the same phase.
@@ -1515,7 +1588,7 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
     the picture's tokens from behind a system message of tools and to write a call, which is the decoder's
     work. Each step's loss is the plain rows' mean plus the tool rows' mean: the five questions' answers (two
     tokens or so) keep the weight of the calls (thirty), so the answers the model gives without tools hold."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or _log_to_stderr
     caches = bound_native_caches()
     out, base = Path(out_dir), Path(base)
     out.mkdir(parents=True, exist_ok=True)
@@ -1578,21 +1651,9 @@ def train_tools(out_dir: str | Path, base: str | Path, cfg: TrainConfig = TrainC
     if start is not None:
         model.load_state_dict(interpolate(start, model.state_dict(), cfg.tool_merge))
     save_weights(model, out)
-    meta = {
-        "train_config": dataclasses.asdict(cfg),
-        "phase": "tools",
-        "from": {
-            "path": str(base),
-            "training": json.loads(base_meta.read_text()) if base_meta.is_file() else None,
-        },
-        "seconds": round(time.perf_counter() - t0, 1),
-        "torch": torch.__version__,
-        "autocast": "bfloat16" if cfg.bf16() else "float32",
-        "native_caches": caches,
-        "peak_rss_gb": round(peak_rss_bytes() / 1e9, 2),
-    }
-    (out / "demo_training.json").write_text(json.dumps(meta, indent=2) + "\n")
-    log(f"[train-demo] wrote {out} in {meta['seconds'] / 60:.1f} min")
+    training = json.loads(base_meta.read_text()) if base_meta.is_file() else None
+    meta = _run_record(cfg, {"phase": "tools", "from": {"path": str(base), "training": training}}, t0, caches)
+    _write_run_record(out, meta, log)
     return out
 
 

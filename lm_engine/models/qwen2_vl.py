@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -21,7 +22,15 @@ FAMILIES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_
 
 @dataclass(slots=True)
 class Qwen2VLConfig:
-    """The fields the engine needs, read from either the original or the nested (text_config) layout."""
+    """The fields the engine needs, read from either the original or the nested (text_config) layout.
+
+    A later family subclasses it and overrides what its config.json says differently: which families it reads,
+    where the text and rope keys sit, the defaults, and its own fields (``own_fields``)."""
+
+    families: ClassVar[dict[str, str]] = FAMILIES
+    family_names: ClassVar[str] = "Qwen2-VL or Qwen2.5-VL"
+    default_rope_theta: ClassVar[float] = 1000000.0
+    default_max_positions: ClassVar[int] = 32768
 
     vocab_size: int
     hidden_size: int
@@ -54,26 +63,14 @@ class Qwen2VLConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> Qwen2VLConfig:
         path = Path(path)
-        cfg_file = path / "config.json"
         raw = read_config(path)
         archs = raw.get("architectures") or []
         # NOTE: Qwen2.5-VL's decoder and image positions are Qwen2-VL's; only its tower differs (encoder/models).
-        if raw.get("model_type") not in FAMILIES and not set(archs) & set(FAMILIES.values()):
+        if raw.get("model_type") not in cls.families and not set(archs) & set(cls.families.values()):
             raise ValueError(
-                f"{cfg_file}: model_type {raw.get('model_type')!r} is not a Qwen2-VL or Qwen2.5-VL checkpoint"
+                f"{path / 'config.json'}: model_type {raw.get('model_type')!r} is not a {cls.family_names} checkpoint"
             )
-        text = {**raw, **(raw.get("text_config") or {})}
-        rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
-        head_dim = text["hidden_size"] // text["num_attention_heads"]
-        section = list(rope.get("mrope_section") or [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16])
-        eos = []
-        gen_file = path / "generation_config.json"
-        if gen_file.is_file():
-            gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-            eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        if not eos:
-            cfg_eos = text.get("eos_token_id")
-            eos = cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else []
+        text, rope = cls.text_and_rope(raw)
         return cls(
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
@@ -82,19 +79,49 @@ class Qwen2VLConfig:
             num_attention_heads=text["num_attention_heads"],
             num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 1000000.0),
-            mrope_section=section,
-            max_position_embeddings=text.get("max_position_embeddings", 32768),
+            rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or cls.default_rope_theta),
+            mrope_section=list(rope.get("mrope_section") or cls.default_mrope_section(text)),
+            max_position_embeddings=text.get("max_position_embeddings", cls.default_max_positions),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             dtype=checkpoint_dtype(raw),
             image_token_id=raw.get("image_token_id", 151655),
             video_token_id=raw.get("video_token_id", 151656),
             vision_start_token_id=raw.get("vision_start_token_id", 151652),
             vision_end_token_id=raw.get("vision_end_token_id", 151653),
-            eos_token_ids=[int(e) for e in eos],
+            eos_token_ids=eos_token_ids(path, text),
             vision=dict(raw.get("vision_config") or {}),
             raw=raw,
+            **cls.own_fields(raw, text, rope),
         )
+
+    @staticmethod
+    def text_and_rope(raw: dict) -> tuple[dict, dict]:
+        """The text model's keys (flat, or overridden by a nested text_config) and its rope dict."""
+        text = {**raw, **(raw.get("text_config") or {})}
+        return text, text.get("rope_scaling") or text.get("rope_parameters") or {}
+
+    @staticmethod
+    def default_mrope_section(text: dict) -> list[int]:
+        head_dim = text["hidden_size"] // text["num_attention_heads"]
+        return [head_dim // 8, head_dim * 3 // 16, head_dim * 3 // 16]
+
+    @staticmethod
+    def own_fields(raw: dict, text: dict, rope: dict) -> dict:
+        """A subclass's fields beyond these."""
+        return {}
+
+
+def eos_token_ids(path: Path, text: dict) -> list[int]:
+    """The stop ids: generation_config.json's where it names any, else the text config's."""
+    eos = []
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+    if not eos:
+        cfg_eos = text.get("eos_token_id")
+        eos = cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else []
+    return [int(e) for e in eos]
 
 
 # -- processor rules ---------------------------------------------------------------------------------------

@@ -8,17 +8,16 @@ embeddings, then one block per level (see ``encoder/models/qwen3_vl.py``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from encoder.models import checkpoint_dtype, read_config
 from lm_engine.attention import AttentionBackend, AttentionMetadata
 from lm_engine.models.qwen2_vl import (
     MRotaryEmbedding,
+    Qwen2VLConfig,
     Qwen2VLDecoder,
     RMSNorm,
     _rotate_half,
@@ -27,76 +26,39 @@ from lm_engine.models.qwen2_vl import (
 
 
 @dataclass(slots=True)
-class Qwen3VLConfig:
-    """The fields the engine needs (those of ``Qwen2VLConfig``, plus head_dim, q/k norm and deepstack)."""
+class Qwen3VLConfig(Qwen2VLConfig):
+    """Qwen2-VL's fields, read from Qwen3-VL's layout (text keys only under text_config, newer rope dict first,
+    its defaults), plus an explicit head_dim, attention bias, interleaved rotary and the deepstack levels."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    attention_bias: bool
-    rms_norm_eps: float
-    rope_theta: float
-    mrope_section: list[int]
-    mrope_interleaved: bool
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    dtype: torch.dtype
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    eos_token_ids: list[int]
-    deepstack_levels: int
-    vision: dict = field(default_factory=dict)
-    raw: dict = field(default_factory=dict)
+    families: ClassVar[dict[str, str]] = {"qwen3_vl": "Qwen3VLForConditionalGeneration"}
+    family_names: ClassVar[str] = "Qwen3-VL"
+    default_rope_theta: ClassVar[float] = 5000000.0
+    default_max_positions: ClassVar[int] = 128000
 
-    @property
-    def spatial_merge_size(self) -> int:
-        return int(self.vision.get("spatial_merge_size", 2))
+    # NOTE: field(): a bare annotation would take the base's head_dim property as its default
+    head_dim: int = field(kw_only=True)
+    attention_bias: bool = field(kw_only=True)
+    mrope_interleaved: bool = field(kw_only=True)
+    deepstack_levels: int = field(kw_only=True)
 
-    @classmethod
-    def from_dir(cls, path: str | Path) -> Qwen3VLConfig:
-        path = Path(path)
-        raw = read_config(path)
-        text, vision = raw.get("text_config") or {}, raw.get("vision_config") or {}
-        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-        return cls(
-            vocab_size=text["vocab_size"],
-            hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"],
-            num_hidden_layers=text["num_hidden_layers"],
-            num_attention_heads=text["num_attention_heads"],
-            num_key_value_heads=text.get("num_key_value_heads") or text["num_attention_heads"],
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
-            attention_bias=bool(text.get("attention_bias", False)),
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta") or text.get("rope_theta") or 5000000.0),
-            mrope_section=list(rope.get("mrope_section") or [24, 20, 20]),
-            mrope_interleaved=bool(rope.get("mrope_interleaved", True)),
-            max_position_embeddings=text.get("max_position_embeddings", 128000),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            dtype=checkpoint_dtype(raw),
-            image_token_id=raw.get("image_token_id", 151655),
-            video_token_id=raw.get("video_token_id", 151656),
-            vision_start_token_id=raw.get("vision_start_token_id", 151652),
-            vision_end_token_id=raw.get("vision_end_token_id", 151653),
-            eos_token_ids=_eos_ids(path, text),
-            deepstack_levels=len(vision.get("deepstack_visual_indexes", (8, 16, 24))),
-            vision=dict(vision),
-            raw=raw,
-        )
+    @staticmethod
+    def text_and_rope(raw: dict) -> tuple[dict, dict]:
+        text = raw.get("text_config") or {}
+        return text, text.get("rope_parameters") or text.get("rope_scaling") or {}
 
+    @staticmethod
+    def default_mrope_section(text: dict) -> list[int]:
+        return [24, 20, 20]
 
-def _eos_ids(path: Path, text: dict) -> list[int]:
-    gen_file = path / "generation_config.json"
-    eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
-    if eos is None:
-        eos = text.get("eos_token_id")
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+    @staticmethod
+    def own_fields(raw: dict, text: dict, rope: dict) -> dict:
+        vision = raw.get("vision_config") or {}
+        return {
+            "head_dim": int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]),
+            "attention_bias": bool(text.get("attention_bias", False)),
+            "mrope_interleaved": bool(rope.get("mrope_interleaved", True)),
+            "deepstack_levels": len(vision.get("deepstack_visual_indexes", (8, 16, 24))),
+        }
 
 
 class InterleavedMRotary(MRotaryEmbedding):

@@ -17,7 +17,9 @@ _DECODERS: dict[str, tuple[type, type[nn.Module]]] = {
     "qwen3_vl": (Qwen3VLConfig, Qwen3VLDecoder),
 }
 
-ModelConfig = Qwen2VLConfig | Qwen3VLConfig
+# NOTE: every family's config subclasses Qwen2VLConfig, so a dispatch on the config's type must take its own
+# class before a base's (``build_decoder``), never the first isinstance match
+ModelConfig = Qwen2VLConfig
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -30,8 +32,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
 
 
 def build_decoder(cfg: ModelConfig) -> nn.Module:
-    """The (uninitialised) decoder for ``cfg``'s family."""
-    for config_cls, decoder_cls in _DECODERS.values():
-        if isinstance(cfg, config_cls):
-            return decoder_cls(cfg)
+    """The (uninitialised) decoder for ``cfg``'s family: its own class's, else its nearest base's."""
+    by_config = {config_cls: decoder_cls for config_cls, decoder_cls in _DECODERS.values()}
+    for cls in type(cfg).__mro__:
+        if cls in by_config:
+            return by_config[cls](cfg)
     raise TypeError(f"no decoder for config {type(cfg).__name__}")
