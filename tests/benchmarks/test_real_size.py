@@ -250,6 +250,11 @@ def test_quick_run_end_to_end(tiny_ckpt: Path, tmp_path: Path, capsys: pytest.Ca
     assert vl["rss_after_load"]["bytes"] > 0 and vl["kv_cache_bytes"] > 0
     assert r["machine"]["before"]["read_gbs"] > 0 and r["floor"]["ms_best"] > 0
     assert r["tower"]["float32"]["tower"]["gflops"] > 0 and r["tower"]["float32"]["prefill"]["gflops"] > 0
+    for part in ("tower", "prefill"):  # each round against the matmul rate measured just before it
+        x = r["tower"]["float32"][part]
+        assert len(x["round_matmul_gflops"]) == len(x["round_seconds"]) == 1
+        want = x["flops"] / x["round_seconds"][0] / 1e9 / x["round_matmul_gflops"][0]
+        assert x["vs_matmul"] == pytest.approx(want) == r["ratios"][f"{part}_float32_vs_matmul"]
     assert r["ratios"]["decode_1_vs_floor"] > 0
     assert list((tmp_path / "logs").glob("smoke-*-vlmserve.log"))
     out_text = capsys.readouterr().out
