@@ -33,7 +33,9 @@ def test_bf16_kernel_is_torchs_layer_norm(rows, cols, threads):
     with torch.no_grad():
         want = torch.nn.functional.layer_norm(x, (cols,), norm.weight, norm.bias, norm.eps)
         got = cpu_kernel.layer_norm(LIB, x, norm.weight, norm.bias, norm.eps, threads=threads)
-        total, got2 = cpu_kernel.layer_norm(LIB, x, norm.weight, norm.bias, norm.eps, residual=y, threads=threads)
+        total, got2 = cpu_kernel.layer_norm(
+            LIB, x, norm.weight, norm.bias, norm.eps, residual=y, threads=threads
+        )
         want2 = torch.nn.functional.layer_norm(x + y, (cols,), norm.weight, norm.bias, norm.eps)
     assert torch.equal(total, x + y)  # the add rounded as torch's
     for g, w in ((got, want), (got2, want2)):
@@ -68,7 +70,9 @@ def test_block_takes_the_kernel_in_bf16_only(dtype, monkeypatch):
             module.use_kernels(LIB)
     calls = []
     real = cpu_kernel.layer_norm
-    monkeypatch.setattr(cpu_kernel, "layer_norm", lambda *a, **k: calls.append("residual" in k) or real(*a, **k))
+    monkeypatch.setattr(
+        cpu_kernel, "layer_norm", lambda *a, **k: calls.append("residual" in k) or real(*a, **k)
+    )
     x = torch.randn(50, 64).to(dtype)
 
     def attend(qkv, cos, sin, segments, scale):  # plain attention over one segment: the block's own part
