@@ -332,3 +332,42 @@ class RedisProxy:
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
+
+
+def make_clip(
+    frames: int = 8,
+    width: int = 64,
+    height: int = 48,
+    fps: int = 4,
+    codec: str = "mpeg4",
+    fmt: str = "mp4",
+    gop: int = 4,
+    seed: int = 0,
+) -> bytes:
+    """A video of a coloured square moving across a gradient (PyAV), ``gop`` frames per keyframe."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    colour = rng.integers(64, 256, 3)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = gop
+        yy, xx = np.mgrid[0:height, 0:width]
+        side = max(4, min(width, height) // 3)
+        for i in range(frames):
+            img = np.stack([(xx * 3 + i * 5) % 256, (yy * 4) % 256, np.full_like(xx, 40 + 10 * seed)], -1)
+            x0 = (i * 5) % max(1, width - side)
+            y0 = (i * 3) % max(1, height - side)
+            img[y0 : y0 + side, x0 : x0 + side] = colour
+            frame = av.VideoFrame.from_ndarray(img.astype(np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def video_part(data: bytes, mime: str = "video/mp4", **extra) -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(data, mime), **extra}}
