@@ -269,9 +269,20 @@ def _open(data: bytes):
     try:
         return av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
     except av.error.InvalidDataError:
+        if _looks_like_video(data):
+            raise PreprocessError(CORRUPT, "video container is truncated or corrupt") from None
         raise PreprocessError(UNSUPPORTED_FORMAT, "not a video file this server reads") from None
     except (av.error.FFmpegError, ValueError, OSError) as e:
         raise PreprocessError(CORRUPT, f"video container is truncated or corrupt: {e}") from None
+
+
+def _looks_like_video(data: bytes) -> bool:
+    """The signature of a container we accept (MP4/MOV ftyp or moov, EBML, RIFF AVI)."""
+    return (
+        data[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free")
+        or data.startswith(b"\x1a\x45\xdf\xa3")
+        or (data.startswith(b"RIFF") and data[8:12] == b"AVI ")
+    )
 
 
 def _video_stream(container, config: VideoConfig):
@@ -415,38 +426,45 @@ def plan_video(
 # ---------------------------------------------------------------- decode + patchify
 
 
-def decode_frames(data: bytes, plan: VideoPlan, config: VideoConfig) -> np.ndarray:
-    """The plan's frames, RGB uint8 [n, H, W, 3] in the plan's order (a repeated index repeats its frame)."""
+def decode_frames(data: bytes, plan: VideoPlan, config: VideoConfig, size: tuple[int, int] | None = None):
+    """The plan's frames in the plan's order (a repeated index repeats its frame): RGB uint8 [n, H, W, 3], or
+    with ``size`` (h, w) each frame resized as soon as it is decoded (a [n, 3, h, w] uint8 tensor), so a long
+    clip of large frames never sits in memory whole."""
+    keep = (lambda a: a) if size is None else (lambda a: resize_frames(a[None], size)[0])
     if data.startswith(FRAMES_MAGIC):
         frames = _unpack_frames(data)
-        out = []
-        for i in plan.indices:
+        got, shape = {}, None
+        for i in sorted(set(plan.indices)):
             im = _frame_image(frames[i], config)
             try:
-                out.append(np.asarray(im.convert("RGB")))
+                rgb = np.asarray(im.convert("RGB"))
             except Exception as e:
                 raise PreprocessError(
                     CORRUPT, f"frame {i} of the list is truncated or corrupt: {e}"
                 ) from None
-        if len({a.shape for a in out}) != 1:
-            raise PreprocessError(ZERO_SIZE, "frames of one video must share one size")
-        return np.stack(out)
-    with _open(data) as container:
-        stream = _video_stream(container, config)
-        packets = _packets(container, stream)
-        got = _decode_picked(container, stream, packets, sorted(set(plan.indices)))
+            if rgb.shape != (shape := shape or rgb.shape):
+                raise PreprocessError(ZERO_SIZE, "frames of one video must share one size")
+            got[i] = keep(rgb)
+    else:
+        with _open(data) as container:
+            stream = _video_stream(container, config)
+            packets = _packets(container, stream)
+            got = _decode_picked(container, stream, packets, sorted(set(plan.indices)), keep)
     missing = [i for i in plan.indices if i not in got]
     if missing:
         raise PreprocessError(
             CORRUPT,
             f"video is truncated or corrupt: {len(missing)} of {len(plan.indices)} frames did not decode",
         )
-    return np.stack([got[i] for i in plan.indices])
+    picked = [got[i] for i in plan.indices]
+    if size is None:
+        return np.stack(picked)
+    import torch
+
+    return torch.stack(picked)
 
 
-def _decode_picked(
-    container, stream, packets: list[tuple[int, bool]], wanted: list[int]
-) -> dict[int, np.ndarray]:
+def _decode_picked(container, stream, packets: list[tuple[int, bool]], wanted: list[int], keep) -> dict:
     """Decode only the GOPs holding a wanted frame (by presentation index): seek to a GOP's keyframe when the
     decoder is not already inside it, stop once the last wanted frame is out."""
     import av
@@ -473,7 +491,7 @@ def _decode_picked(
                 fp = frame.pts if frame.pts is not None else position + 1
                 position = fp
                 if fp in by_pts and by_pts[fp] not in got:
-                    got[by_pts[fp]] = frame.to_ndarray(format="rgb24")
+                    got[by_pts[fp]] = keep(frame.to_ndarray(format="rgb24"))
                 if fp >= pts:
                     break
             if position >= last:
@@ -515,13 +533,20 @@ def patchify_frames(video, config: VideoConfig, out: np.ndarray) -> None:
     target.div_(std.view(1, 1, 1, 1, 1, 3, 1, 1, 1))
 
 
+@dataclass(frozen=True, slots=True)
+class VideoJob:
+    """What a pool worker needs besides the bytes: the settings and the plan."""
+
+    config: VideoConfig
+    plan: VideoPlan
+
+
 def preprocess_video_into(
     data: bytes, config: VideoConfig, plan: VideoPlan, alloc
 ) -> tuple[np.ndarray, tuple]:
     """Decode the plan's frames, resize, normalize, patchify into ``alloc(shape)``: (patches, grid)."""
-    frames = decode_frames(data, plan, config)
-    video = resize_frames(frames, (plan.grid[1] * config.patch_size, plan.grid[2] * config.patch_size))
     gt, gh, gw = plan.grid
+    video = decode_frames(data, plan, config, (gh * config.patch_size, gw * config.patch_size))
     out = alloc((gt * gh * gw, config.patch_dim))
     patchify_frames(video, config, out)
     return out, plan.grid

@@ -92,3 +92,37 @@ def test_request_overrides_change_the_plan(family):
     with pytest.raises(PreprocessError) as e:
         plan_video(info, config, max_frames=config.max_sampled_frames + 1)
     assert e.value.code == "too_many_frames"
+
+
+FAULT = b"\x00VLMSERVE-TEST-FAULT:"
+
+
+def test_pool_decodes_videos_and_a_dead_worker_leaks_nothing(tiny_ckpt):
+    import os
+
+    from preprocess import PreprocessPool, PreprocessWorkerError
+    from preprocess.video import VideoJob
+
+    config = VideoConfig.from_checkpoint(tiny_ckpt, "qwen2")
+    clip = make_clip(frames=12, width=80, height=60, fps=4, gop=4)
+    job = VideoJob(config, plan_video(probe_video(clip, config), config))
+    want, grid = preprocess_video(clip, config, job.plan)
+    with PreprocessPool(1, _fault_prefix=FAULT) as pool:
+        assert pool.wait_ready(120)
+        ours = lambda: {n for n in os.listdir("/dev/shm") if n.startswith(pool._slot_prefix + "_")}  # noqa: E731
+        got = pool.run(clip, job)
+        assert got.grid_thw == grid and np.array_equal(got.patches, want)
+        del got
+        # A worker that made an output slot and died (as a decoder crashing mid-clip would): the request
+        # fails alone, the slot and the dead worker's other segments are unlinked, the next video decodes.
+        before = ours()
+        with pytest.raises(PreprocessWorkerError):
+            pool.run(FAULT + b"late-exit", job)
+        assert not (ours() - before)
+        with pytest.raises(PreprocessError) as e:
+            pool.run(clip[: len(clip) // 2], job)  # truncated: fails inside the worker, as a client error
+        assert e.value.code == "corrupt"
+        again = pool.run(clip, job)
+        assert np.array_equal(again.patches, want)
+        del again
+    assert not ours()
