@@ -355,6 +355,7 @@ class ChatService:
                 req.messages,
                 self.media,
                 max_images=self.args.max_images,
+                max_videos=self.args.max_videos,
                 executor=self.executor,
                 cache_salt=salt,
                 tools=plan.tools,

@@ -82,6 +82,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="image decode/resize processes (default: min(4, cores); 0 = threads in the server process)",
     )
+    v = p.add_argument_group("video")
+    v.add_argument(
+        "--video-fps",
+        type=float,
+        default=e("video_fps"),
+        help="frames sampled per second of video unless a request asks (default: the checkpoint's, else 2)",
+    )
+    v.add_argument(
+        "--video-max-frames", type=int, default=e("video_max_frames"), help="frames sampled per video at most"
+    )
+    v.add_argument(
+        "--video-max-duration",
+        dest="video_max_duration_s",
+        type=float,
+        default=e("video_max_duration_s"),
+        help="seconds per video at most",
+    )
+    v.add_argument(
+        "--video-max-frame-pixels",
+        type=int,
+        default=e("video_max_frame_pixels"),
+        help="pixels per source frame at most (default: 4K UHD)",
+    )
+    v.add_argument(
+        "--video-max-tokens",
+        type=int,
+        default=e("video_max_tokens"),
+        help="visual tokens per video at most, after sampling and resizing",
+    )
     flags.add_embedding_cache(
         g,
         EngineConfig,
@@ -128,6 +157,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         redis_key_prefix=args.redis_key_prefix,
         hash_algorithm=args.hash_algorithm,
         attention_backend=args.attention_backend,
+        video_fps=args.video_fps,
+        video_max_frames=args.video_max_frames,
+        video_max_duration_s=args.video_max_duration_s,
+        video_max_frame_pixels=args.video_max_frame_pixels,
+        video_max_tokens=args.video_max_tokens,
     )
 
 
@@ -386,7 +420,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_media_args(p: argparse.ArgumentParser) -> None:
     """What a request may carry and where its images may come from (serve and batch alike)."""
     from api.config import DEFAULT_IMAGE_LIMIT, parse_limit_mm
-    from api.media import DEFAULT_MAX_BYTES, DEFAULT_READ_TIMEOUT
+    from api.media import DEFAULT_MAX_BYTES, DEFAULT_MAX_VIDEO_BYTES, DEFAULT_READ_TIMEOUT
 
     p.add_argument(
         "--served-model-name",
@@ -418,6 +452,12 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_BYTES, help="per-image byte cap")
     p.add_argument(
+        "--max-video-bytes",
+        type=int,
+        default=DEFAULT_MAX_VIDEO_BYTES,
+        help="per-video byte cap (as received)",
+    )
+    p.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=DEFAULT_READ_TIMEOUT,
@@ -430,6 +470,7 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
 
     return MediaConfig(
         max_bytes=args.max_media_bytes,
+        max_video_bytes=args.max_video_bytes,
         read_timeout=args.media_fetch_timeout,
         allowed_domains=frozenset(args.allowed_media_domains),
         allow_private=args.allow_private_media,

@@ -507,7 +507,7 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int]):
     import torch
     from torch.nn import functional as F
 
-    batch = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
+    batch = torch.from_numpy(np.require(frames, requirements=["C", "W"])).permute(0, 3, 1, 2).contiguous()
     if tuple(batch.shape[-2:]) == tuple(size):
         return batch
     return F.interpolate(batch, size=list(size), mode="bicubic", align_corners=False, antialias=True)
