@@ -245,6 +245,7 @@ def parse_large_request(raw: bytes) -> ChatCompletionRequest:
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
     image_tokens: int
+    video_tokens: int = 0
     text_tokens: int
 
 
@@ -254,10 +255,11 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     visual_tokens: list[int] = Field(
-        description="vlmserve extension: visual tokens per image, in prompt order"
+        description="vlmserve extension: visual tokens per image or video, in prompt order"
     )
     visual_levels: list[int] = Field(
-        description="vlmserve extension: visual budget level per image (0 = full resolution; higher: fewer pixels)"
+        description="vlmserve extension: visual budget level per image or video (0 = full resolution; higher: "
+        "fewer pixels, and for a video fewer frames)"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from lm_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from lm_engine.sequence import ImageItem, Sequence, SequenceStatus
 from lm_engine.startup import StartupPhases
 from lm_engine.structured import GrammarError, GrammarMasks, Grammars, GrammarState
-from lm_engine.visual_budget import default_ladder
+from lm_engine.visual_budget import default_ladder, video_budget
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
 from preprocess.video import VideoConfig
 from runtime.memory import available_memory_bytes, format_bytes
@@ -138,7 +139,10 @@ class LLMEngine:
         """Messages → prompt; each image's grid is planned at the visual budget level of this moment. A salted
         prompt's images are keyed with its ``cache_salt`` (pass the same salt to add_request)."""
         return self.processor.process_chat(
-            messages, budget=self.load.visual_budget.max_pixels, cache_salt=cache_salt
+            messages,
+            budget=self.load.visual_budget.max_pixels,
+            cache_salt=cache_salt,
+            video_budget=functools.partial(video_budget, self.load.visual_budget),
         )
 
     def add_request(

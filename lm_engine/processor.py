@@ -21,6 +21,7 @@ from lm_engine.models.qwen2_vl import mrope_positions
 from lm_engine.models.registry import ModelConfig
 from lm_engine.sequence import ImageItem
 from lm_engine.tool_prompt import has_tool_turns, with_tools
+from lm_engine.visual_budget import VideoBudget
 from preprocess import PreprocessConfig, PreprocessError, image_hash, num_visual_tokens, plan_grid, probe
 from preprocess.hashing import DEFAULT_HASH, check_algorithm
 from preprocess.video import VideoConfig, VideoJob, VideoPlan, pack_frames, plan_video, probe_video
@@ -333,7 +334,7 @@ class InputProcessor:
         chat: ChatInput | list[dict],
         budget: Callable[[str | None], int | None] | None = None,
         cache_salt: str = "",
-        video_budget: Callable[[VideoInput], int | None] | None = None,
+        video_budget: Callable[[str | None], VideoBudget] | None = None,
     ) -> PromptInputs:
         """Messages (or their normalized form, image sources already fetched) → the prompt.
         ``budget(detail)``: the max_pixels an image with that OpenAI ``detail`` gets (None: the config's).
@@ -360,8 +361,9 @@ class InputProcessor:
             data[item.key] = data_i
         videos = []
         for i, video in enumerate(chat.videos):
-            max_pixels = video_budget(video) if video_budget else video.max_pixels
-            item, data_i = self.process_video(video, i, cache_salt, max_pixels)
+            item, data_i = self.process_video(
+                video, i, cache_salt, video_budget(video.detail) if video_budget else None
+            )
             videos.append(item)
             data[item.key] = data_i
         text = self.render(chat.messages, chat.tools)
@@ -416,19 +418,32 @@ class InputProcessor:
         return "".join(out)
 
     def process_video(
-        self, video: VideoInput, index: int = 0, cache_salt: str = "", max_pixels: int | None = None
+        self, video: VideoInput, index: int = 0, cache_salt: str = "", budget: VideoBudget | None = None
     ) -> tuple[ImageItem, bytes]:
         """A video's item (placed at -1, its whole grid) and its bytes: probed (no decode), frames and grid
-        planned. Its identity covers the bytes and the frames picked; the grid and settings are in the key."""
+        planned at the ``budget`` of the video ladder (None: level 0). The request's fps and max_pixels (else
+        the server's) are scaled by the level; its max_frames bounds the count. Its identity covers the bytes
+        and the frames picked; the grid and settings are in the key."""
+        cfg = self.video_config
+        budget = budget or VideoBudget(0, 1.0, 1.0)
+        fps = (video.fps or cfg.fps) * budget.fps_scale
+        max_pixels = min(video.max_pixels or cfg.max_pixels, cfg.max_pixels)
         data = _offline_bytes(video.source)
         try:
-            info = probe_video(data, self.video_config, list_fps=video.fps)
-            plan = plan_video(info, self.video_config, video.fps, video.max_frames, max_pixels)
+            info = probe_video(data, cfg, list_fps=video.fps)
+            plan = plan_video(info, cfg, fps, video.max_frames, max_pixels, budget.pixels_scale)
         except PreprocessError as exc:
             raise InputError(f"video {index}: {exc.message}", param="video_url", code=exc.code) from None
-        return self.video_item(data, plan, cache_salt, max_pixels), data
+        return self.video_item(data, plan, cache_salt, max_pixels, budget.level), data
 
-    def video_item(self, data: bytes, plan: VideoPlan, cache_salt: str = "", max_pixels: int | None = None):
+    def video_item(
+        self,
+        data: bytes,
+        plan: VideoPlan,
+        cache_salt: str = "",
+        max_pixels: int | None = None,
+        level: int = 0,
+    ) -> ImageItem:
         digest = image_hash(data, self.hash_algorithm)
         identity = image_hash(
             b"vlmserve-video\0" + plan.identity() + b"\0" + digest.encode(), self.hash_algorithm
@@ -442,7 +457,7 @@ class InputProcessor:
             self.hash_algorithm,
             cache_salt,
         )
-        job = VideoJob(self.video_config, plan)
+        job = VideoJob(self.video_config, plan, level)
         return ImageItem(-1, num_visual_tokens(plan.grid, self.merge), key, max_pixels, video=job)
 
     def process_image(

@@ -389,8 +389,10 @@ def plan_video(
     fps: float | None = None,
     max_frames: int | None = None,
     max_pixels: int | None = None,
+    pixels_scale: float = 1.0,
 ) -> VideoPlan:
-    """Frames and grid for a probed video; per-request ``fps``/``max_frames``/``max_pixels`` within the config's."""
+    """Frames and grid for a probed video; per-request ``fps``/``max_frames``/``max_pixels`` within the config's.
+    ``pixels_scale`` (the video ladder's) scales the pixels the frames would get at full budget."""
     if max_frames is not None and max_frames > config.max_sampled_frames:
         raise PreprocessError(
             TOO_MANY_FRAMES,
@@ -407,6 +409,10 @@ def plan_video(
     else:
         indices = sample_indices(config, info.frames, info.fps, fps, max_frames)
     budget = config.max_pixels if max_pixels is None else min(max_pixels, config.max_pixels)
+    if pixels_scale != 1.0:
+        h, w = smart_resize_video(config, len(indices), info.height, info.width, budget)
+        frames = len(indices) if config.rule == "qwen3" else 1  # Qwen3-VL's budget covers every frame
+        budget = max(config.min_pixels, int(h * w * frames * pixels_scale))
     h, w = smart_resize_video(config, len(indices), info.height, info.width, budget)
     tp = config.temporal_patch_size
     grid = (-(-len(indices) // tp), h // config.patch_size, w // config.patch_size)
@@ -535,10 +541,12 @@ def patchify_frames(video, config: VideoConfig, out: np.ndarray) -> None:
 
 @dataclass(frozen=True, slots=True)
 class VideoJob:
-    """What a pool worker needs besides the bytes: the settings and the plan."""
+    """What a pool worker needs besides the bytes: the settings and the plan (and, for the usage report, the video
+    ladder level the plan was made at)."""
 
     config: VideoConfig
     plan: VideoPlan
+    level: int = 0
 
 
 def preprocess_video_into(

@@ -44,7 +44,8 @@ def test_clip_as_data_url_file_and_http_equals_transformers(client, guarded_serv
     ref = hf_oracle.generate(user({"type": "video", "video": CLIP}, "What moves?"), MAX_NEW)
     ids, usage = greedy(client, user(video_url_part(data_url(CLIP, "video/mp4")), "What moves?"))
     assert ids == ref
-    assert usage.prompt_tokens_details.image_tokens == sum(usage.visual_tokens) > 0
+    assert usage.prompt_tokens_details.video_tokens == sum(usage.visual_tokens) > 0
+    assert usage.prompt_tokens_details.image_tokens == 0 and usage.visual_levels == [0]
     (guarded_server.media_dir / "clip.mp4").write_bytes(CLIP)
     by_file, _ = greedy(
         client, user(video_url_part(f"file://{guarded_server.media_dir}/clip.mp4"), "What moves?")
