@@ -389,7 +389,8 @@ def make_clip(
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=fmt) as out:
         stream = out.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
         stream.codec_context.gop_size = gop
         yy, xx = np.mgrid[0:height, 0:width]
         side = max(4, min(width, height) // 3)

@@ -126,3 +126,20 @@ def test_pool_decodes_videos_and_a_dead_worker_leaks_nothing(tiny_ckpt):
         assert np.array_equal(again.patches, want)
         del again
     assert not ours()
+
+
+@pytest.mark.parametrize(
+    "codec,fmt", [("libx264", "mp4"), ("libvpx-vp9", "webm"), ("mjpeg", "avi"), ("libx264", "matroska")]
+)
+def test_seeking_decodes_the_frames_a_full_decode_gives(codec, fmt):
+    """Other codecs and containers (H.264 with B-frames, VP9 in WebM without a frame count in its header,
+    MJPEG in AVI): the frames picked by seeking equal those of a full decode."""
+    config = VideoConfig(min_frames=2)
+    clip = make_clip(frames=30, width=64, height=48, fps=10, codec=codec, fmt=fmt, gop=6)
+    info = probe_video(clip, config)
+    assert info.frames == 30
+    plan = plan_video(info, config, fps=2.0)
+    decoded = decode_frames(clip, plan, config)
+    everything = _all_frames(clip)
+    assert len(everything) == 30
+    assert all(np.array_equal(decoded[k], everything[i]) for k, i in enumerate(plan.indices))
