@@ -31,15 +31,16 @@ VISUAL_LEVEL_HEADER = "X-Visual-Budget-Levels"
 def _usage(out: RequestOutput) -> dict:
     completion = sum(len(c.token_ids) for c in out.outputs)
     prompt = len(out.prompt_token_ids)
-    image = sum(out.visual_tokens)
+    visual = sum(out.visual_tokens)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {
             "cached_tokens": out.num_cached_tokens,
-            "image_tokens": image,
-            "text_tokens": prompt - image,
+            "image_tokens": visual - out.video_tokens,
+            "video_tokens": out.video_tokens,
+            "text_tokens": prompt - visual,
         },
         "visual_tokens": list(out.visual_tokens),
         "visual_levels": list(out.visual_levels),
@@ -355,6 +356,7 @@ class ChatService:
                 req.messages,
                 self.media,
                 max_images=self.args.max_images,
+                max_videos=self.args.max_videos,
                 executor=self.executor,
                 cache_salt=salt,
                 tools=plan.tools,

@@ -89,6 +89,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="image decode/resize processes (default: min(4, cores); 0 = threads in the server process)",
     )
+    v = p.add_argument_group("video")
+    v.add_argument(
+        "--video-fps",
+        type=float,
+        default=e("video_fps"),
+        help="frames sampled per second of video unless a request asks (default: the checkpoint's, else 2)",
+    )
+    v.add_argument(
+        "--video-max-frames", type=int, default=e("video_max_frames"), help="frames sampled per video at most"
+    )
+    v.add_argument(
+        "--video-max-duration",
+        dest="video_max_duration_s",
+        type=float,
+        default=e("video_max_duration_s"),
+        help="seconds per video at most",
+    )
+    v.add_argument(
+        "--video-max-frame-pixels",
+        type=int,
+        default=e("video_max_frame_pixels"),
+        help="pixels per source frame at most (default: 4K UHD)",
+    )
+    v.add_argument(
+        "--video-max-tokens",
+        type=int,
+        default=e("video_max_tokens"),
+        help="visual tokens per video at most, after sampling and resizing",
+    )
     flags.add_embedding_cache(
         g,
         EngineConfig,
@@ -433,6 +462,12 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-media-bytes", type=int, default=media("max_bytes"), help="per-image byte cap")
     p.add_argument(
+        "--max-video-bytes",
+        type=int,
+        default=media("max_video_bytes"),
+        help="per-video byte cap (as received)",
+    )
+    p.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=media("read_timeout"),
@@ -445,6 +480,7 @@ def _media_config(args: argparse.Namespace) -> MediaConfig:
 
     return MediaConfig(
         max_bytes=args.max_media_bytes,
+        max_video_bytes=args.max_video_bytes,
         read_timeout=args.media_fetch_timeout,
         allowed_domains=frozenset(args.allowed_media_domains),
         allow_private=args.allow_private_media,

@@ -12,6 +12,7 @@ from lm_engine.config import EngineConfig
 
 MODALITIES = ("image", "video", "audio")
 DEFAULT_IMAGE_LIMIT = 16
+DEFAULT_VIDEO_LIMIT = 1  # a video is hundreds to thousands of visual tokens
 
 
 def parse_limit_mm(text: str) -> dict[str, int]:
@@ -89,6 +90,10 @@ class ServerArgs:
     @property
     def max_images(self) -> int:
         return self.limit_mm_per_prompt.get("image", DEFAULT_IMAGE_LIMIT)
+
+    @property
+    def max_videos(self) -> int:
+        return self.limit_mm_per_prompt.get("video", DEFAULT_VIDEO_LIMIT)
 
     @property
     def model_names(self) -> list[str]:

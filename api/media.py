@@ -14,15 +14,17 @@ import httpx
 
 from api.errors import APIError
 from api.ssrf import AddressGuard, GuardedTransport, refused
-from lm_engine.processor import InputError, decode_data_url
+from lm_engine.processor import _FRAME_LIST_TYPES, InputError, decode_data_url, decode_frame_list
 
 DEFAULT_MAX_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_VIDEO_BYTES = 64 * 1024 * 1024
 DEFAULT_READ_TIMEOUT = 10.0
 
 
 @dataclass(slots=True)
 class MediaConfig:
     max_bytes: int = DEFAULT_MAX_BYTES  # per image, as received
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES  # per video (a frame list: all its frames), as received
     connect_timeout: float = 5.0
     read_timeout: float = DEFAULT_READ_TIMEOUT
     total_timeout: float = 30.0  # a whole fetch, redirects included (a slow drip resets the read timeout)
@@ -70,27 +72,53 @@ class MediaFetcher:
             code="invalid_image_url",
         )
 
-    def _too_large(self, what: str) -> APIError:
+    async def fetch_video(self, url: str) -> bytes:
+        """The bytes behind a video URL (the same guard and caps as images, ``max_video_bytes`` for size); a
+        frame list (``data:video/jpeg;base64,<frame>,<frame>,...``) comes back packed (preprocess.video)."""
+        if url.startswith(_FRAME_LIST_TYPES):
+            if (len(url) - url.find(",") - 1) * 3 // 4 > self.config.max_video_bytes + 3:
+                raise self._too_large("the data: URL video", self.config.max_video_bytes)
+            try:
+                return decode_frame_list(url)
+            except InputError as exc:
+                raise APIError(400, str(exc), param="video_url", code="invalid_video_url") from None
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        cap = self.config.max_video_bytes
+        if scheme == "data":
+            return self._data(url, cap)
+        if scheme in ("http", "https"):
+            return await self._http(url, cap)
+        if scheme == "file":
+            return await asyncio.to_thread(self._file, url, cap)
+        raise APIError(
+            400,
+            f"unsupported video URL scheme {scheme!r}: use data:, http(s): or file:",
+            param="video_url",
+            code="invalid_video_url",
+        )
+
+    def _too_large(self, what: str, cap: int | None = None) -> APIError:
         return APIError(
             413,
-            f"{what} is larger than the {self.config.max_bytes}-byte limit",
+            f"{what} is larger than the {cap or self.config.max_bytes}-byte limit",
             param="image_url",
             code="media_too_large",
         )
 
-    def _data(self, url: str) -> bytes:
+    def _data(self, url: str, cap: int | None = None) -> bytes:
+        cap = cap or self.config.max_bytes
         payload_len = len(url) - url.find(",") - 1
-        if payload_len * 3 // 4 > self.config.max_bytes + 3:
-            raise self._too_large("the data: URL image")
+        if payload_len * 3 // 4 > cap + 3:
+            raise self._too_large("the data: URL media", cap)
         try:
             data = decode_data_url(url)
         except InputError as exc:
             raise APIError(400, str(exc), param="image_url", code="invalid_image_url") from None
-        if len(data) > self.config.max_bytes:
-            raise self._too_large("the data: URL image")
+        if len(data) > cap:
+            raise self._too_large("the data: URL media", cap)
         return data
 
-    async def _http(self, url: str) -> bytes:
+    async def _http(self, url: str, cap: int | None = None) -> bytes:
         cfg = self.config
         try:
             target = httpx.URL(url)
@@ -105,7 +133,7 @@ class MediaFetcher:
                         raise refused(f"image redirect to {target.scheme}: URLs is not followed")
                     async with self.client.stream("GET", target) as resp:
                         if not resp.has_redirect_location:
-                            return await self._body(resp, target)
+                            return await self._body(resp, target, cap or cfg.max_bytes)
                         target = resp.url.join(resp.headers["location"])
                 raise _fetch_failed(f"image URL redirected more than {cfg.max_redirects} times")
         except (TimeoutError, httpx.TimeoutException):
@@ -117,22 +145,22 @@ class MediaFetcher:
                 f"fetching the image from {target.host} failed: {type(exc).__name__}: {exc}"
             ) from None
 
-    async def _body(self, resp: httpx.Response, target: httpx.URL) -> bytes:
+    async def _body(self, resp: httpx.Response, target: httpx.URL, cap: int) -> bytes:
         """A 200 response's body, read no further than the byte cap."""
         if resp.status_code != 200:
             raise _fetch_failed(f"fetching the image from {target.host} failed: HTTP {resp.status_code}")
-        cap = self.config.max_bytes
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
-            raise self._too_large(f"the image at {target.host}")
+            raise self._too_large(f"the media at {target.host}", cap)
         buf = bytearray()
         async for chunk in resp.aiter_bytes():
             buf += chunk
             if len(buf) > cap:
-                raise self._too_large(f"the image at {target.host}")
+                raise self._too_large(f"the media at {target.host}", cap)
         return bytes(buf)
 
-    def _file(self, url: str) -> bytes:
+    def _file(self, url: str, cap: int | None = None) -> bytes:
+        cap = cap or self.config.max_bytes
         root = self.config.allowed_local_path
         if root is None:
             raise refused("file: image URLs are disabled (start the server with --allowed-local-media-path)")
@@ -162,11 +190,11 @@ class MediaFetcher:
                 raise refused("image file is outside --allowed-local-media-path")
             if not stat.S_ISREG(st.st_mode):
                 raise refused("image path is not a regular file")
-            if st.st_size > self.config.max_bytes:
-                raise self._too_large("the image file")
-            data = f.read(self.config.max_bytes + 1)
-        if len(data) > self.config.max_bytes:
-            raise self._too_large("the image file")
+            if st.st_size > cap:
+                raise self._too_large("the media file", cap)
+            data = f.read(cap + 1)
+        if len(data) > cap:
+            raise self._too_large("the media file", cap)
         return data
 
 

@@ -32,9 +32,26 @@ class ImagePart(BaseModel):
     image_url: ImageURL | Annotated[str, Field(min_length=1)]
 
 
+class VideoURL(BaseModel):
+    """vLLM's video part, with the sampling a request may ask for (within the server's limits)."""
+
+    model_config = _STRICT
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"
+    fps: float | None = Field(None, gt=0, le=1000)
+    max_frames: int | None = Field(None, ge=1, le=MAX_INT)
+    max_pixels: int | None = Field(None, ge=1, le=MAX_INT)
+
+
+class VideoPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["video_url"]
+    video_url: VideoURL | Annotated[str, Field(min_length=1)]
+
+
 _Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(BaseModel):
@@ -78,6 +95,10 @@ class Message(BaseModel):
         for part in self.content:
             if isinstance(part, TextPart):
                 parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, VideoPart):
+                spec = part.video_url
+                spec = {"url": spec} if isinstance(spec, str) else spec.model_dump(exclude_none=True)
+                parts.append({"type": "video_url", "video_url": spec})
             else:
                 spec = part.image_url
                 url, detail = (spec, "auto") if isinstance(spec, str) else (spec.url, spec.detail)
@@ -224,6 +245,7 @@ def parse_large_request(raw: bytes) -> ChatCompletionRequest:
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
     image_tokens: int
+    video_tokens: int = 0
     text_tokens: int
 
 
@@ -233,10 +255,11 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     visual_tokens: list[int] = Field(
-        description="vlmserve extension: visual tokens per image, in prompt order"
+        description="vlmserve extension: visual tokens per image or video, in prompt order"
     )
     visual_levels: list[int] = Field(
-        description="vlmserve extension: visual budget level per image (0 = full resolution; higher: fewer pixels)"
+        description="vlmserve extension: visual budget level per image or video (0 = full resolution; higher: "
+        "fewer pixels, and for a video fewer frames)"
     )
 
 

@@ -26,9 +26,15 @@ import torch
 import xxhash
 
 from cache import EmbeddingCache, EmbeddingKey, EmbeddingLayout
-from preprocess import PixelPatches, PreprocessConfig, PreprocessPool, preprocess
+from preprocess import PixelPatches, PreprocessConfig, PreprocessPool
+from preprocess.video import VideoJob
+from preprocess.worker import preprocess_media
 
 log = logging.getLogger("vlmserve.encoder")
+
+
+def _new_array(shape: tuple[int, int]) -> np.ndarray:
+    return np.empty(shape, dtype=np.float32)
 
 
 def vision_fingerprint(tower: torch.nn.Module) -> str:
@@ -72,6 +78,7 @@ class EncodeJob:
     key: EmbeddingKey
     data: bytes
     max_pixels: int | None = None
+    video: VideoJob | None = None  # a video's settings and frame plan (None: an image)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,14 +259,15 @@ class VisionPipeline:
                     return
                 self.stats.cache_misses += 1
             if self.pool is not None:
-                fut = self.pool.submit_future(job.data, self.config, job.max_pixels)
+                fut = self.pool.submit_future(job.data, job.video or self.config, job.max_pixels)
                 with self._lock:
                     ticket.future = fut
                     if ticket.cancelled:
                         fut.cancel()
                 fut.add_done_callback(lambda f, job=job: self._preprocessed(job, ticket, f))
             else:
-                self._enqueue(job, preprocess(job.data, self.config, job.max_pixels), ticket)
+                px = preprocess_media(job.data, job.video or self.config, job.max_pixels, _new_array)
+                self._enqueue(job, px, ticket)
         except Exception as exc:  # a bad image fails its own requests only
             self._finish(Encoded(job.key, error=exc), ticket)
 

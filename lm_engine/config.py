@@ -39,6 +39,14 @@ class EngineConfig:
     # this default is its DEFAULT_HASH, which a test holds equal). "xxh3" is for trusted clients only: its
     # collisions can be built, and a colliding image is answered from another's embeddings and KV.
     hash_algorithm: str = "blake3"
+    # Video (preprocess/video.py): frames sampled per second unless a request asks (None: the checkpoint's video
+    # processor's, else 2), and what one video may be: frames sampled, seconds, pixels per source frame, visual
+    # tokens after sampling and resizing.
+    video_fps: float | None = None
+    video_max_frames: int = 64
+    video_max_duration_s: float = 600.0
+    video_max_frame_pixels: int = 3840 * 2160
+    video_max_tokens: int = 16384
     encoder_max_batch_patches: int = 16384
     encoder_max_wait_ms: float = 2.0
     # Encoder tier: send cache misses to a `vlmserve encoder` pool at this URL (tcp://host:port, unix:///path),

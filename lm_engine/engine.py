@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import torch
 
 from cache import EmbeddingCache
 from encoder import EncoderClient, VisionPipeline, vision_fingerprint
+from encoder.models import family_of, read_config
 from lm_engine.admission import Admission, EngineOverloaded, Ticket
 from lm_engine.block_manager import BlockManager
 from lm_engine.config import EngineConfig
@@ -35,8 +37,9 @@ from lm_engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from lm_engine.sequence import ImageItem, Sequence, SequenceStatus
 from lm_engine.startup import StartupPhases
 from lm_engine.structured import GrammarError, GrammarMasks, Grammars, GrammarState
-from lm_engine.visual_budget import default_ladder
+from lm_engine.visual_budget import default_ladder, video_budget
 from preprocess import PreprocessConfig, PreprocessError, PreprocessPool, PreprocessWorkerError
+from preprocess.video import VideoConfig
 from runtime.memory import available_memory_bytes, format_bytes
 
 log = logging.getLogger("vlmserve.engine")
@@ -66,7 +69,11 @@ class LLMEngine:
         self.dtype = _compute_dtype(config, self.model_config)
         self.preprocess_config = PreprocessConfig.from_checkpoint(path)
         self.processor = InputProcessor(
-            path, self.model_config, self.preprocess_config, config.hash_algorithm
+            path,
+            self.model_config,
+            self.preprocess_config,
+            config.hash_algorithm,
+            _video_config(path, config),
         )
         max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, 8192)
         plan = _plan_memory(config, self.model_config, self.dtype, max_model_len, available)
@@ -132,7 +139,10 @@ class LLMEngine:
         """Messages → prompt; each image's grid is planned at the visual budget level of this moment. A salted
         prompt's images are keyed with its ``cache_salt`` (pass the same salt to add_request)."""
         return self.processor.process_chat(
-            messages, budget=self.load.visual_budget.max_pixels, cache_salt=cache_salt
+            messages,
+            budget=self.load.visual_budget.max_pixels,
+            cache_salt=cache_salt,
+            video_budget=functools.partial(video_budget, self.load.visual_budget),
         )
 
     def add_request(
@@ -533,6 +543,20 @@ def _plan_memory(
         format_bytes(reserve),
     )
     return MemoryPlan(available, weights.total, reserve)
+
+
+def _video_config(path: Path, config: EngineConfig) -> VideoConfig:
+    """The checkpoint's video processor settings with the server's limits."""
+    family = family_of(read_config(path))
+    limits = dict(
+        max_sampled_frames=config.video_max_frames,
+        max_duration_s=config.video_max_duration_s,
+        max_frame_pixels=config.video_max_frame_pixels,
+        max_visual_tokens=config.video_max_tokens,
+    )
+    if config.video_fps is not None:
+        limits["fps"] = config.video_fps
+    return VideoConfig.from_checkpoint(path, "qwen3" if family == "qwen3_vl" else "qwen2", **limits)
 
 
 def _compute_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:

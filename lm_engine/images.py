@@ -63,7 +63,7 @@ class EncodedImages:
         for im in images:
             if im.key not in self._requested and im.key in data:
                 self._requested.add(im.key)
-                jobs.append(EncodeJob(im.key, data.pop(im.key), im.max_pixels))
+                jobs.append(EncodeJob(im.key, data.pop(im.key), im.max_pixels, im.video))
         self.pipeline.submit(jobs)
 
     def collect(self) -> None:

@@ -118,14 +118,19 @@ class OutputProcessor:
         error: RequestError | None = None,
     ) -> RequestOutput:
         first = state.seqs[0]
+        media = _media(state.images)
         return RequestOutput(
             request_id=state.request_id,
             prompt_token_ids=state.prompt_token_ids,
             outputs=outs,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
-            visual_tokens=[i.length for i in state.images],
-            visual_levels=[self.level_of(i.max_pixels) for i in state.images],
+            visual_tokens=[sum(i.length for i in spans) for spans in media],
+            visual_levels=[
+                spans[0].video.level if spans[0].video else self.level_of(spans[0].max_pixels)
+                for spans in media
+            ],
+            video_tokens=sum(i.length for i in state.images if i.video is not None),
             metrics={
                 "arrival_time": first.arrival_time,
                 "first_token_time": first.first_token_time,
@@ -133,3 +138,15 @@ class OutputProcessor:
             },
             error=error,
         )
+
+
+def _media(items: list[ImageItem]) -> list[list[ImageItem]]:
+    """The prompt's images and videos, each as its placeholder spans (a Qwen3-VL video has one per temporal
+    patch, all of one key, the later ones with rows_from > 0)."""
+    out: list[list[ImageItem]] = []
+    for item in items:
+        if item.rows_from and out and out[-1][0].key == item.key:
+            out[-1].append(item)
+        else:
+            out.append([item])
+    return out

@@ -50,6 +50,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     visual_tokens: list[int] = field(default_factory=list)
     visual_levels: list[int] = field(default_factory=list)  # visual budget level per image (0 = full)
+    video_tokens: int = 0  # of the visual tokens, those of videos
     metrics: dict = field(default_factory=dict)
     error: RequestError | None = None
 

@@ -38,7 +38,9 @@ def block_extra_keys(images: Seq[ImageItem], start: int, end: int) -> tuple[byte
     keys = []
     for img in images:
         if img.offset < end and img.end > start:
-            keys.append(img.key.raw + (img.offset - start).to_bytes(8, "little", signed=True))
+            key = img.key.raw + (img.offset - start).to_bytes(8, "little", signed=True)
+            # NOTE: only when non-zero, so image spans keep their keys: which rows of a video a span shows.
+            keys.append(key + img.rows_from.to_bytes(8, "little") if img.rows_from else key)
     return tuple(keys)
 
 

@@ -12,6 +12,7 @@ import torch
 from cache import EmbeddingKey
 from lm_engine.sampling_params import SamplingParams
 from lm_engine.structured import GrammarState
+from preprocess.video import VideoJob
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +35,11 @@ class ImageItem:
     length: int  # placeholder tokens = embedding rows
     key: EmbeddingKey
     max_pixels: int | None = None  # the visual budget its grid was planned with
+    # A video's: its settings and frame plan for the preprocessing worker (None: an image).
+    video: VideoJob | None = None
+    # First row of the key's embedding this span takes: Qwen3-VL puts each temporal patch of a video in a span
+    # of its own (timestamp text between them), all of one key.
+    rows_from: int = 0
 
     @property
     def grid(self) -> tuple[int, int, int]:

@@ -76,7 +76,8 @@ class _HostInputs:
             lo, hi = max(start, img.offset), min(end, img.end)
             if lo < hi:
                 self.mm_rows.append(torch.arange(base + lo - start, base + hi - start))
-                self.mm_embeds.append(embeddings[img.key][lo - img.offset : hi - img.offset])
+                rows = img.rows_from - img.offset
+                self.mm_embeds.append(embeddings[img.key][lo + rows : hi + rows])
         if chunk.completes:
             self.logit_rows.append(base + n - 1)
             self.completing.append(chunk)

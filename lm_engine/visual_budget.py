@@ -196,6 +196,32 @@ def default_ladder(max_pixels: int, min_pixels: int, factor: int = 28) -> list[i
     return out
 
 
+# A video's own ladder: (frame-rate scale, pixel-budget scale) per level, level 0 the request's (or the server's)
+# fps and max_pixels. Frames go first: neighbouring frames repeat each other more than neighbouring pixels do.
+# Visual tokens per level, relative to level 0: 1, 1/2, 1/4, 1/16 (the sampler keeps at least min_frames).
+DEFAULT_VIDEO_LADDER: tuple[tuple[float, float], ...] = ((1.0, 1.0), (0.5, 1.0), (0.5, 0.5), (0.25, 0.25))
+
+
+@dataclass(frozen=True, slots=True)
+class VideoBudget:
+    """What a new video gets at one level of the video ladder."""
+
+    level: int
+    fps_scale: float
+    pixels_scale: float
+
+
+def video_budget(
+    controller: VisualBudgetController,
+    detail: str | None = "auto",
+    ladder: tuple[tuple[float, float], ...] = DEFAULT_VIDEO_LADDER,
+) -> VideoBudget:
+    """The controller's level read on the video ladder: ``low`` its lowest rung, ``high`` its first, ``auto`` the
+    image level of the moment (capped at the video ladder's lowest)."""
+    level = len(ladder) - 1 if detail == "low" else min(controller.level_for(detail), len(ladder) - 1)
+    return VideoBudget(level, *ladder[level])
+
+
 class TTFTWindow:
     """Recent time-to-first-token samples; ``percentile`` over the last ``window_s`` seconds."""
 

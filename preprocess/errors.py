@@ -10,6 +10,12 @@ CORRUPT = "corrupt"
 ZERO_SIZE = "zero_size"
 DECOMPRESSION_BOMB = "decompression_bomb"
 ASPECT_RATIO = "aspect_ratio"
+# Videos (preprocess/video.py) add:
+NO_VIDEO_STREAM = "no_video_stream"  # audio-only, or no stream at all
+UNSUPPORTED_CODEC = "unsupported_codec"
+TOO_LONG = "too_long"
+TOO_MANY_FRAMES = "too_many_frames"
+TOO_MANY_PIXELS = "too_many_pixels"
 
 
 class PreprocessError(ValueError):

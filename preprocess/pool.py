@@ -37,6 +37,7 @@ from preprocess import forkserver
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessWorkerError
 from preprocess.image import PixelPatches, pil_resize_matches_torchvision
+from preprocess.video import VideoJob
 from preprocess.worker import READY, Failed, Job, create_segment, slot_name, worker_main
 
 log = logging.getLogger(__name__)
@@ -65,13 +66,14 @@ class PoolStats:
 @dataclass(slots=True)
 class _Job:
     data: bytes
-    config: PreprocessConfig
+    config: PreprocessConfig | VideoJob
     max_pixels: int | None
     future: Future[PixelPatches]
 
 
 class PreprocessPool:
-    """`await pool.submit(data, config, max_pixels)` from asyncio, `pool.run(...)` without a loop.
+    """`await pool.submit(data, config, max_pixels)` from asyncio, `pool.run(...)` without a loop. ``config``
+    is a ``PreprocessConfig`` for image bytes, a ``VideoJob`` (settings and plan) for video bytes.
 
     start_method is "forkserver" (default; restarts are fast forks of a preloaded server) or
     "spawn". Never "fork": the parent runs torch threads. timeout_s bounds one image; a worker
@@ -115,17 +117,19 @@ class PreprocessPool:
     # ------------------------------------------------------------------ public API
 
     async def submit(
-        self, data: bytes, config: PreprocessConfig, max_pixels: int | None = None
+        self, data: bytes, config: PreprocessConfig | VideoJob, max_pixels: int | None = None
     ) -> PixelPatches:
         """Preprocess in a worker; the event loop only waits on a future, it never blocks."""
         return await asyncio.wrap_future(self.submit_future(data, config, max_pixels))
 
-    def run(self, data: bytes, config: PreprocessConfig, max_pixels: int | None = None) -> PixelPatches:
+    def run(
+        self, data: bytes, config: PreprocessConfig | VideoJob, max_pixels: int | None = None
+    ) -> PixelPatches:
         """Blocking form of submit(), for callers without an event loop."""
         return self.submit_future(data, config, max_pixels).result()
 
     def submit_future(
-        self, data: bytes, config: PreprocessConfig, max_pixels: int | None = None
+        self, data: bytes, config: PreprocessConfig | VideoJob, max_pixels: int | None = None
     ) -> Future[PixelPatches]:
         if max_pixels is not None and max_pixels <= 0:
             raise ValueError(f"max_pixels must be positive, got {max_pixels}")

@@ -26,7 +26,8 @@ import numpy as np
 
 from preprocess.config import PreprocessConfig
 from preprocess.errors import PreprocessError
-from preprocess.image import _patchify_kernel, preprocess_into, trust_pil_resize
+from preprocess.image import PixelPatches, _patchify_kernel, preprocess_into, trust_pil_resize
+from preprocess.video import VideoJob, preprocess_video_into
 
 READY = "ready"
 MAX_IDLE_SLOTS = 2  # free slots a worker keeps mapped for reuse; more are retired, smallest first
@@ -39,7 +40,7 @@ class Job:
 
     inbox: str
     size: int
-    config: PreprocessConfig
+    config: PreprocessConfig | VideoJob  # a video's settings and plan, for video bytes
     max_pixels: int | None
     released: list[int]  # slot ids the parent's consumers are done with
 
@@ -179,11 +180,11 @@ def worker_main(
             return
 
 
-def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, slots: Slots) -> Reply:
+def handle(data: bytes, config: PreprocessConfig | VideoJob, max_pixels: int | None, slots: Slots) -> Reply:
     start = time.perf_counter()
     slots.current = None
     try:
-        result = preprocess_into(data, config, max_pixels, slots.array)
+        result = preprocess_media(data, config, max_pixels, slots.array)
     except Exception as e:
         slots.abandon_current()
         if isinstance(e, PreprocessError):
@@ -196,6 +197,15 @@ def handle(data: bytes, config: PreprocessConfig, max_pixels: int | None, slots:
     shape, grid = result.patches.shape, result.grid_thw
     del result  # no view of the slot outlives the request: the slot may be retired later
     return Done(slots.next_id, slots.take_retired(), slots.current, shape, grid, time.perf_counter() - start)
+
+
+def preprocess_media(
+    data: bytes, config: PreprocessConfig | VideoJob, max_pixels: int | None, alloc
+) -> PixelPatches:
+    """An image's patches (``config``: the image settings) or a video's (``config``: a VideoJob)."""
+    if isinstance(config, VideoJob):
+        return PixelPatches(*preprocess_video_into(data, config.config, config.plan, alloc))
+    return preprocess_into(data, config, max_pixels, alloc)
 
 
 def _warm_up(pil_exact: bool) -> None:

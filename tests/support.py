@@ -210,7 +210,7 @@ class HFOracle:
         self._memo: dict[tuple, list[int]] = {}
 
     def inputs(self, conv: list[dict]):
-        images, msgs = [], []
+        images, videos, metadata, msgs = [], [], [], []
         for m in conv:
             content = m["content"]
             if isinstance(content, list):
@@ -221,12 +221,49 @@ class HFOracle:
                         # does not rotate PIL images), alpha left to the processor's convert_to_rgb.
                         images.append(ImageOps.exif_transpose(Image.open(io.BytesIO(p["image"]))))
                         parts.append({"type": "image"})
+                    elif p.get("type") == "video":
+                        frames, md = self._video(p)
+                        videos.append(frames)
+                        metadata.append(md)
+                        parts.append({"type": "video"})
                     else:
                         parts.append(p)
                 content = parts
             msgs.append({"role": m["role"], "content": content})
         text = self.processor.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return self.processor(text=[text], images=images or None, return_tensors="pt")
+        extra = {}
+        if videos:
+            extra = dict(
+                videos=videos, video_metadata=metadata, do_sample_frames=False, cap_pixels_per_frame=False
+            )
+        return self.processor(text=[text], images=images or None, return_tensors="pt", **extra)
+
+    def _video(self, part: dict):
+        """A ``{"type": "video", "video": bytes | [frame bytes], "fps": ...}`` part as transformers takes it: every
+        frame decoded by PyAV (or PIL), then the frames its own video processor's ``sample_frames`` picks."""
+        import av
+        from transformers.video_utils import VideoMetadata
+
+        src, fps = part["video"], part.get("fps")
+        vp = self.processor.video_processor
+        if isinstance(src, list):
+            frames = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in src])
+            picked = list(range(len(frames)))
+            rate = float(fps or 2.0)
+        else:
+            with av.open(io.BytesIO(src)) as c:
+                rate = float(c.streams.video[0].average_rate)
+                frames = np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)])
+            md = VideoMetadata(total_num_frames=len(frames), fps=rate)
+            picked = [int(i) for i in vp.sample_frames(md, fps=fps or 2.0)]
+        md = VideoMetadata(
+            total_num_frames=len(frames),
+            fps=rate,
+            width=frames.shape[2],
+            height=frames.shape[1],
+            frames_indices=picked,
+        )
+        return frames[picked], md
 
     @torch.no_grad()
     def generate(self, conv: list[dict], max_new_tokens: int, **generate_kw) -> list[int]:
@@ -332,3 +369,43 @@ class RedisProxy:
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
+
+
+def make_clip(
+    frames: int = 8,
+    width: int = 64,
+    height: int = 48,
+    fps: int = 4,
+    codec: str = "mpeg4",
+    fmt: str = "mp4",
+    gop: int = 4,
+    seed: int = 0,
+) -> bytes:
+    """A video of a coloured square moving across a gradient (PyAV), ``gop`` frames per keyframe."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    colour = rng.integers(64, 256, 3)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.codec_context.gop_size = gop
+        yy, xx = np.mgrid[0:height, 0:width]
+        side = max(4, min(width, height) // 3)
+        for i in range(frames):
+            img = np.stack([(xx * 3 + i * 5) % 256, (yy * 4) % 256, np.full_like(xx, 40 + 10 * seed)], -1)
+            x0 = (i * 5) % max(1, width - side)
+            y0 = (i * 3) % max(1, height - side)
+            img[y0 : y0 + side, x0 : x0 + side] = colour
+            frame = av.VideoFrame.from_ndarray(img.astype(np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def video_part(data: bytes, mime: str = "video/mp4", **extra) -> dict:
+    return {"type": "video_url", "video_url": {"url": data_url(data, mime), **extra}}

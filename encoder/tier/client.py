@@ -133,7 +133,10 @@ class RemoteVisionPipeline:
 
     def submit(self, jobs: list[EncodeJob]) -> None:
         now = self.clock()
-        for job in jobs:
+        # NOTE: videos stay local: the pool's wire carries an image's bytes and grid, and it recomputes an
+        # image's identity from them; a video's identity also covers its frame plan.
+        self.local.submit([job for job in jobs if job.video is not None])
+        for job in (job for job in jobs if job.video is None):
             with self._cond:
                 if job.key in self._sent:
                     continue

@@ -126,24 +126,30 @@ def eos_token_ids(path: Path, text: dict) -> list[int]:
 
 # -- processor rules ---------------------------------------------------------------------------------------
 def mrope_positions(
-    token_ids: list[int], image_spans: list[tuple[int, tuple[int, int, int]]], spatial_merge_size: int
+    token_ids: list[int], image_spans: list[tuple], spatial_merge_size: int
 ) -> tuple[torch.Tensor, int]:
     """M-RoPE positions ([3, len]) of a prompt and the delta that generated tokens add to their index.
 
-    ``image_spans``: (offset of the first placeholder, (t, h, w) patch grid) per image, in order. Text
-    advances all three axes together; an image's tokens sit on its (t, h, w) merged grid starting at the
-    running position, and the text after it resumes past the grid's largest side.
+    ``image_spans``: (offset of the first placeholder, (t, h, w) patch grid[, time interval]) per image or
+    video, in order. Text advances all three axes together; an image's tokens sit on its (t, h, w) merged grid
+    starting at the running position, and the text after it resumes past the grid's largest spatial side
+    (transformers' get_rope_index: not past its temporal one). A video's temporal index is its patch index
+    times the interval (Qwen2.5-VL: tokens_per_second · seconds per temporal patch, a float32 tensor as
+    transformers computes it, truncated), 1 elsewhere.
     """
     n = len(token_ids)
     pos = torch.empty(3, n, dtype=torch.long)
     cur = 0
     i = 0
-    for offset, (t, h, w) in image_spans:
+    for offset, (t, h, w), *interval in image_spans:
         if offset > i:
             pos[:, i:offset] = torch.arange(cur, cur + offset - i)
             cur += offset - i
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
-        tt = torch.arange(t).view(-1, 1, 1).expand(t, gh, gw)
+        steps = torch.arange(t)
+        if interval and interval[0] != 1:
+            steps = (steps * interval[0]).long()
+        tt = steps.view(-1, 1, 1).expand(t, gh, gw)
         hh = torch.arange(gh).view(1, -1, 1).expand(t, gh, gw)
         ww = torch.arange(gw).view(1, 1, -1).expand(t, gh, gw)
         length = t * gh * gw

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import REPO, QuietHandler, free_port, make_image, parse_metrics, wait_idle
+from tests.support import REPO, QuietHandler, free_port, make_clip, make_image, parse_metrics, wait_idle
 
 NETGUARD = Path(__file__).resolve().parent / "netguard"
 
@@ -39,6 +39,7 @@ IMAGE_LIMIT = 2
 
 PNG = make_image(160, 120, 21)
 JPEG = make_image(224, 224, 22, "JPEG")
+CLIP = make_clip(frames=9, width=64, height=48, fps=4, seed=3)  # a moving coloured square, MPEG-4 in MP4
 
 
 # ---------------------------------------------------------------- local HTTP image server
@@ -66,6 +67,8 @@ class ImageServer:
                     self._send(200, PNG)
                 elif parts.path == "/img.jpg":
                     self._send(200, JPEG, "image/jpeg")
+                elif parts.path == "/clip.mp4":
+                    self._send(200, CLIP, "video/mp4")
                 elif parts.path == "/corrupt.png":
                     self._send(200, PNG[:300])
                 elif parts.path == "/big.png":

@@ -1,5 +1,6 @@
 """Qwen2.5-VL end to end: a generated checkpoint served by our engine (our tower, our decoder) gives
-transformers' greedy tokens, and video parts are refused with a 400 for both families."""
+transformers' greedy tokens, and a broken video part gets a 400 for both families (tests/api/test_video.py and
+tests/lm_engine/test_video_equivalence.py serve good ones)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def test_tower_is_ours_and_matches_transformers_on_the_checkpoint(ckpt25, oracle
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
-def test_video_parts_are_refused_with_400(family, tiny_ckpt, ckpt25):
+def test_a_broken_video_part_is_a_400(family, tiny_ckpt, ckpt25):
     ckpt = tiny_ckpt if family == "qwen2_vl" else ckpt25
     args = ServerArgs(engine=EngineConfig(model=str(ckpt), num_kv_blocks=64))
     url = "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42").decode()
