@@ -290,6 +290,11 @@ def test_the_serve_command_builds_its_engine_config_from_every_flag(monkeypatch,
         "--encoder-fallback": ("encoder_fallback", "fail"),
         "--no-enable-prefix-caching": ("enable_prefix_caching", False),
         "--slo-admission": ("slo_admission", True),
+        "--video-fps": ("video_fps", 1.5),
+        "--video-max-frames": ("video_max_frames", 12),
+        "--video-max-duration": ("video_max_duration_s", 30.0),
+        "--video-max-frame-pixels": ("video_max_frame_pixels", 100000),
+        "--video-max-tokens": ("video_max_tokens", 999),
     }
     typed = {"--kv-cache-memory": "1GiB", "--embedding-cache-mb": "5"}  # as typed, where not str(value)
     argv = ["serve", "--model", str(tiny_ckpt)]
