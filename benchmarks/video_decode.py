@@ -3,8 +3,11 @@ picking (what transformers' PyAV loader does), on generated clips: CPU seconds p
 
     .venv/bin/python benchmarks/video_decode.py            # 60 s at 640x360, 30 fps; GOP 1 s and 8 s
     .venv/bin/python benchmarks/video_decode.py --seconds 20
+    .venv/bin/python benchmarks/video_decode.py --torchcodec   # also torchcodec's get_frames_at, where installed
 
-The frames each way decodes are compared (they must be equal).
+The frames each way decodes are compared (they must be equal; torchcodec's colour conversion is compared, not
+required equal). torchcodec is not a dependency: it needs the system's FFmpeg libraries and a wheel matched to
+the torch build (``pip install --no-deps torchcodec`` beside Debian's libavcodec59 and friends, for this run).
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ def decode_all(data: bytes, indices: tuple[int, ...]) -> np.ndarray:
     return np.stack([frames[i] for i in indices])
 
 
+def decode_torchcodec(data: bytes, indices: tuple[int, ...]) -> np.ndarray:
+    """The same frames through torchcodec (its exact seek mode: it scans the file for every frame's position
+    first, then decodes from the keyframe before each wanted frame), one FFmpeg thread, RGB24 HWC."""
+    from torchcodec.decoders import VideoDecoder
+
+    decoder = VideoDecoder(data, seek_mode="exact", num_ffmpeg_threads=1, dimension_order="NHWC")
+    return decoder.get_frames_at(list(indices)).data.numpy()
+
+
 def best(fn, *args, repeat: int = 3) -> float:
     times = []
     for _ in range(repeat):
@@ -47,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=640)
     p.add_argument("--height", type=int, default=360)
     p.add_argument("--fps", type=int, default=30)
+    p.add_argument(
+        "--torchcodec", action="store_true", help="also time torchcodec's decode of the same frames"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = VideoConfig(max_sampled_frames=64)
@@ -68,6 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         t_seek = best(decode_frames, data, plan, config)
         name = f"{args.seconds}s {args.width}x{args.height} GOP {gop_s}s"
         print(f"{name:<34}{len(plan.indices):>14}{t_all:>10.2f}{t_seek:>13.2f}{t_all / t_seek:>7.1f}x")
+        if args.torchcodec:
+            theirs = decode_torchcodec(data, plan.indices)
+            reference = decode_all(data, plan.indices)
+            diff = np.abs(theirs.astype(int) - reference.astype(int))
+            t_tc = best(decode_torchcodec, data, plan.indices)
+            print(
+                f"{'  torchcodec, decode only':<34}{len(plan.indices):>14}{'':>10}{t_tc:>13.2f}"
+                f"{t_all / t_tc:>7.1f}x   (pixels off PyAV's rgb24: {np.mean(diff > 0):.1%}, at most {diff.max()})"
+            )
     return 0
 
 
