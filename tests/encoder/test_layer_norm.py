@@ -97,3 +97,42 @@ def test_add_norm_without_a_fused_norm_is_add_then_norm():
     x, y = torch.randn(3, 8), torch.randn(3, 8)
     total, out = add_norm(norm, x, y)
     assert torch.equal(total, x + y) and torch.equal(out, norm(x + y))
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_tanh_kernel_is_torchs_approximation(dtype):
+    """Qwen3-VL's tower activation on the kernel: torch's gelu(approximate="tanh") but for one-step bf16
+    differences on under 1 % of the outputs over 1e-3; the tiny outputs (where torch's tanh form cancels) no
+    further from float64 than torch's own."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(300, 4304 + 5, generator=gen) * 3).to(dtype)  # a row tail past the vector lanes
+    want = torch.nn.functional.gelu(x, approximate="tanh")
+    got = cpu_kernel.gelu_tanh_(LIB, x.clone())
+    exact = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    big = want.abs() > 1e-3
+    if dtype == torch.bfloat16:
+        assert (got != want)[big].float().mean() < 1e-2
+    torch.testing.assert_close(got[big].float(), want[big].float(), atol=0, rtol=8e-3)
+    assert (got.double() - exact).abs().max() <= (want.double() - exact).abs().max() + 1e-6
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qwen3_mlp_takes_the_gelu_kernel_in_bf16_only(dtype, monkeypatch):
+    calls = []
+    real = cpu_kernel.gelu_tanh_
+    monkeypatch.setattr(cpu_kernel, "gelu_tanh_", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    mlp = Mlp(64, 200, "gelu_pytorch_tanh").to(dtype).eval()
+    plain = Mlp(64, 200, "gelu_pytorch_tanh").to(dtype).eval()
+    plain.load_state_dict(mlp.state_dict())
+    mlp.use_kernels(LIB)
+    x = torch.randn(40, 64).to(dtype)
+    with torch.no_grad():
+        got, want = mlp(x), plain(x)
+    if dtype == torch.float32:
+        assert calls == [] and torch.equal(got, want)
+    else:
+        assert calls == [1]
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

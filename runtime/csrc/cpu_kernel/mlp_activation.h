@@ -117,6 +117,63 @@ static int run_elementwise(job_t *j, int64_t units, void (*unit)(job_t *, int64_
     return 0;
 }
 
+/* gelu with the tanh approximation, 0.5·y·(1 + tanh(k·(y + 0.044715·y³))), k = sqrt(2/π), written as
+ * y · sigmoid(2k·(y + 0.044715·y³)) = y / (1 + 2^t), t = -2k·(y + 0.044715·y³) · log2 e (clamped as y_sigmoid_v):
+ * Qwen3-VL's tower MLP (`gelu_pytorch_tanh`). The same value in exact arithmetic; torch's tanh form cancels for
+ * negative y (1 + tanh(u) near 0), this one does not, and elsewhere they differ in float32's last bits. */
+static inline vf gelu_tanh_v(vf y) {
+    vf t = y * (1.0f + 0.044715f * y * y) * (2.0f * 0.7978845608028654f * -1.4426950408889634f);
+    t = vselect(t > vsplat(126.0f), vsplat(126.0f), t);
+    return y / (1.0f + exp2_v(t));
+}
+
+#if HAVE_BF16DOT
+static inline __m512 gelu_tanh_512(__m512 y) {
+    const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(y, y), _mm512_set1_ps(0.044715f), _mm512_set1_ps(1.0f));
+    const __m512 t = _mm512_min_ps(
+        _mm512_mul_ps(_mm512_mul_ps(y, inner), _mm512_set1_ps(2.0f * 0.7978845608028654f * -1.4426950408889634f)),
+        _mm512_set1_ps(126.0f));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp2_512(t));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    return _mm512_mul_ps(y, inv);
+}
+#endif
+
+/* x = gelu_tanh(x) in place, in float32, rounded once; rows [16u, 16u + 16). */
+static void gelu_tanh_unit(job_t *jb, int64_t u) {
+    const act_job_t *j = (const act_job_t *)jb;
+    const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows, cols = j->cols;
+    for (int64_t r = u * ACT_ROWS; r < r1; r++) {
+        int64_t c0 = 0;
+#if HAVE_BF16DOT
+        if (j->bf16)
+            for (; c0 + 16 <= cols; c0 += 16) {
+                uint16_t *x = (uint16_t *)j->x + r * cols + c0;
+                _mm256_storeu_si256((__m256i *)x, bf16_16(gelu_tanh_512(widen_bf16(x))));
+            }
+#endif
+        for (; c0 + VW <= cols; c0 += VW) {
+            const int64_t i = r * cols + c0;
+            store_elems(j->x, i, gelu_tanh_v(load_elems(j->x, i, j->bf16)), j->bf16);
+        }
+        if (c0 == cols) continue;
+        float y[VW] = {0};
+        for (int64_t e = 0; c0 + e < cols; e++) { /* the tail: one vector's worth, lanes past the row unused */
+            const int64_t i = r * cols + c0 + e;
+            y[e] = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[i]) : ((const float *)j->x)[i];
+        }
+        vf v;
+        memcpy(&v, y, sizeof v);
+        v = gelu_tanh_v(v);
+        for (int64_t e = 0; c0 + e < cols; e++) {
+            const int64_t i = r * cols + c0 + e;
+            if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(v[e]);
+            else ((float *)j->x)[i] = v[e];
+        }
+    }
+}
+
 int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
     if (dtype != 0 && dtype != 1) return -2;
     if (rows < 0 || cols <= 0) return -3;
@@ -124,4 +181,14 @@ int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, i
     memset(&j, 0, sizeof j);
     j.x = x, j.bias = bias, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
     return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, quick_gelu_unit, threads, VISION_POOL);
+}
+
+/* x [rows, cols] = gelu_tanh(x) in place (float32 or bfloat16), on the vision pool. */
+int vlm_gelu_tanh(void *x, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
+    if (dtype != 0 && dtype != 1) return -2;
+    if (rows < 0 || cols <= 0) return -3;
+    act_job_t j;
+    memset(&j, 0, sizeof j);
+    j.x = x, j.rows = rows, j.cols = cols, j.bf16 = dtype == 1;
+    return run_elementwise(&j.base, (rows + ACT_ROWS - 1) / ACT_ROWS, gelu_tanh_unit, threads, VISION_POOL);
 }
