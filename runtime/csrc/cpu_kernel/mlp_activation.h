@@ -56,46 +56,6 @@ static inline __m512 y_sigmoid_512(__m512 y, float a) {
 }
 #endif
 
-/* x = quick_gelu(x + bias), in float32, rounded once (to nearest even, as f32_to_bf16); rows [16u, 16u + 16). */
-static void quick_gelu_unit(job_t *jb, int64_t u) {
-    const act_job_t *j = (const act_job_t *)jb;
-    const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows, cols = j->cols;
-    for (int64_t r = u * ACT_ROWS; r < r1; r++) {
-        int64_t c0 = 0;
-#if HAVE_BF16DOT
-        if (j->bf16) /* 16 lanes, exp2_512 and a refined reciprocal: twice the rate of the generic vectors below */
-            for (; c0 + 16 <= cols; c0 += 16) {
-                uint16_t *x = (uint16_t *)j->x + r * cols + c0;
-                __m512 y = widen_bf16(x);
-                if (j->bias) y = _mm512_add_ps(y, widen_bf16((const uint16_t *)j->bias + c0));
-                _mm256_storeu_si256((__m256i *)x, bf16_16(y_sigmoid_512(y, 1.702f)));
-            }
-#endif
-        for (; c0 + VW <= cols; c0 += VW) {
-            const int64_t i = r * cols + c0;
-            const vf y = load_elems(j->x, i, j->bf16) + (j->bias ? load_elems(j->bias, c0, j->bf16) : vsplat(0.0f));
-            store_elems(j->x, i, y_sigmoid_v(y, 1.702f), j->bf16);
-        }
-        if (c0 == cols) continue;
-        float y[VW] = {0};
-        for (int64_t e = 0; c0 + e < cols; e++) { /* the tail: one vector's worth, lanes past the row unused */
-            const int64_t i = r * cols + c0 + e;
-            y[e] = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[i]) : ((const float *)j->x)[i];
-            if (j->bias)
-                y[e] += j->bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[c0 + e])
-                                : ((const float *)j->bias)[c0 + e];
-        }
-        vf v;
-        memcpy(&v, y, sizeof v);
-        v = y_sigmoid_v(v, 1.702f);
-        for (int64_t e = 0; c0 + e < cols; e++) {
-            const int64_t i = r * cols + c0 + e;
-            if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(v[e]);
-            else ((float *)j->x)[i] = v[e];
-        }
-    }
-}
-
 /* An elementwise job's `units` on `pool` (VISION_POOL: the tower's kernels share it; PREFILL_POOL: the decoder's
  * prefill chunks, which must not queue behind a tower call on the encoder thread); returns 0, or -5 for no such
  * pool. */
@@ -140,32 +100,38 @@ static inline __m512 gelu_tanh_512(__m512 y) {
 }
 #endif
 
-/* x = gelu_tanh(x) in place, in float32, rounded once; rows [16u, 16u + 16). */
-static void gelu_tanh_unit(job_t *jb, int64_t u) {
-    const act_job_t *j = (const act_job_t *)jb;
+/* x = act(x + bias) in place, in float32, rounded once (to nearest even, as f32_to_bf16); rows [16u, 16u + 16).
+ * `tanh_form`: gelu_tanh, else quick_gelu; a constant where the two units below inline it. */
+static inline __attribute__((always_inline)) void act_rows(const act_job_t *j, int64_t u, const int tanh_form) {
     const int64_t r1 = (u + 1) * ACT_ROWS < j->rows ? (u + 1) * ACT_ROWS : j->rows, cols = j->cols;
     for (int64_t r = u * ACT_ROWS; r < r1; r++) {
         int64_t c0 = 0;
 #if HAVE_BF16DOT
-        if (j->bf16)
+        if (j->bf16) /* 16 lanes, exp2_512 and a refined reciprocal: twice the rate of the generic vectors below */
             for (; c0 + 16 <= cols; c0 += 16) {
                 uint16_t *x = (uint16_t *)j->x + r * cols + c0;
-                _mm256_storeu_si256((__m256i *)x, bf16_16(gelu_tanh_512(widen_bf16(x))));
+                __m512 y = widen_bf16(x);
+                if (j->bias) y = _mm512_add_ps(y, widen_bf16((const uint16_t *)j->bias + c0));
+                _mm256_storeu_si256((__m256i *)x, bf16_16(tanh_form ? gelu_tanh_512(y) : y_sigmoid_512(y, 1.702f)));
             }
 #endif
         for (; c0 + VW <= cols; c0 += VW) {
             const int64_t i = r * cols + c0;
-            store_elems(j->x, i, gelu_tanh_v(load_elems(j->x, i, j->bf16)), j->bf16);
+            const vf y = load_elems(j->x, i, j->bf16) + (j->bias ? load_elems(j->bias, c0, j->bf16) : vsplat(0.0f));
+            store_elems(j->x, i, tanh_form ? gelu_tanh_v(y) : y_sigmoid_v(y, 1.702f), j->bf16);
         }
         if (c0 == cols) continue;
         float y[VW] = {0};
         for (int64_t e = 0; c0 + e < cols; e++) { /* the tail: one vector's worth, lanes past the row unused */
             const int64_t i = r * cols + c0 + e;
             y[e] = j->bf16 ? bf16_to_f32(((const uint16_t *)j->x)[i]) : ((const float *)j->x)[i];
+            if (j->bias)
+                y[e] += j->bf16 ? bf16_to_f32(((const uint16_t *)j->bias)[c0 + e])
+                                : ((const float *)j->bias)[c0 + e];
         }
         vf v;
         memcpy(&v, y, sizeof v);
-        v = gelu_tanh_v(v);
+        v = tanh_form ? gelu_tanh_v(v) : y_sigmoid_v(v, 1.702f);
         for (int64_t e = 0; c0 + e < cols; e++) {
             const int64_t i = r * cols + c0 + e;
             if (j->bf16) ((uint16_t *)j->x)[i] = f32_to_bf16(v[e]);
@@ -173,6 +139,9 @@ static void gelu_tanh_unit(job_t *jb, int64_t u) {
         }
     }
 }
+
+static void quick_gelu_unit(job_t *jb, int64_t u) { act_rows((const act_job_t *)jb, u, 0); }
+static void gelu_tanh_unit(job_t *jb, int64_t u) { act_rows((const act_job_t *)jb, u, 1); }
 
 int vlm_bias_quick_gelu(void *x, const void *bias, int64_t rows, int64_t cols, int64_t dtype, int64_t threads) {
     if (dtype != 0 && dtype != 1) return -2;
