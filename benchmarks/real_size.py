@@ -822,17 +822,7 @@ def decoder_flops(cfg, tokens: int) -> dict:
     return {"linear": float(linear), "attention": float(attention)}
 
 
-def _best(fn, repeat: int) -> float:
-    fn()  # warm-up: kernel choices, oneDNN primitives
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _rounds(fn, repeat: int, flops: float, dtype_name: str, shape: tuple[int, int, int]) -> dict:
+def _rounds(fn, repeat: int, flops: float, dtype, shape: tuple[int, int, int]) -> dict:
     """``fn`` timed ``repeat`` times after a warm-up, each round right after a measurement of the matmul rate
     (best of 3): each round's GFLOP/s ÷ that rate, and their median. NOTE: on this project's VMs the matmul rate
     moved 1,145 → 1,954 GFLOP/s between the start and the end of one run (2026-12-07, a Xeon with AMX), so a
@@ -840,7 +830,7 @@ def _rounds(fn, repeat: int, flops: float, dtype_name: str, shape: tuple[int, in
     fn()
     seconds, rates = [], []
     for _ in range(repeat):
-        rates.append(matmul_gflops(dtype_name, shape, 3))
+        rates.append(matmul_gflops(str(dtype).removeprefix("torch."), shape, 3))
         t0 = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - t0)
@@ -870,9 +860,7 @@ def tower_rate(model_dir: Path, dtype, side: int, repeat: int) -> dict:
     pixels, grid = torch.randn(flops["patches"], tower.cfg.patch_dim), torch.tensor(grids)
     total = flops["linear"] + flops["attention"]
     with torch.no_grad():
-        timed = _rounds(
-            lambda: tower(pixels, grid), repeat, total, _dtype_name(dtype), matmul_shape(model_dir)
-        )
+        timed = _rounds(lambda: tower(pixels, grid), repeat, total, dtype, matmul_shape(model_dir))
     seconds = timed["seconds"]
     return {
         "image": [side, side],
@@ -934,7 +922,7 @@ def prefill_rate(model_dir: Path, dtype, tokens: int, repeat: int) -> dict:
     flops = decoder_flops(cfg, tokens)
     total = flops["linear"] + flops["attention"]
     with torch.no_grad():
-        timed = _rounds(step, repeat, total, _dtype_name(dtype), matmul_shape(model_dir))
+        timed = _rounds(step, repeat, total, dtype, matmul_shape(model_dir))
     seconds = timed["seconds"]
     return {
         "tokens": tokens,
@@ -944,10 +932,6 @@ def prefill_rate(model_dir: Path, dtype, tokens: int, repeat: int) -> dict:
         "tokens_per_s": tokens / seconds,
         "attention_share_of_flops": flops["attention"] / total,
     }
-
-
-def _dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def measure_tower(model_dir: Path, args, flags: Sequence[str], weights: dict) -> dict:

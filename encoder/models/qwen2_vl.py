@@ -137,7 +137,7 @@ class Mlp(nn.Module):
 
 
 class LayerNorm(nn.LayerNorm):
-    """torch's LayerNorm; in bfloat16 on the compiled CPU kernels, one pass (and :meth:`add_norm`: a block's
+    """torch's LayerNorm; in bfloat16 on the compiled CPU kernels, one pass (and :func:`add_norm`: a block's
     residual add and this norm in one). NOTE: torch's bfloat16 LayerNorm and add over a 1024² image's 5,476 ×
     1,280 patches took 7.9 and 6.5 ms, the kernel both in 8.0 (2-vCPU Xeon with AMX, best of 10); float32 keeps
     torch's ops, to the bit as the equivalence suite compares them. The kernel's mean and variance are summed in
@@ -161,25 +161,17 @@ class LayerNorm(nn.LayerNorm):
             return cpu_kernel.layer_norm(self.lib, x, self.weight.detach(), self.bias.detach(), self.eps)
         return super().forward(x)
 
-    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + y, self(x + y))``."""
-        if self._kernel(x) and y.shape == x.shape and y.dtype == x.dtype:
-            return cpu_kernel.layer_norm(
-                self.lib, x, self.weight.detach(), self.bias.detach(), self.eps, residual=y
-            )
-        total = x + y
-        return total, self(total)
-
 
 def layer_norm(dim: int) -> nn.Module:
     return LayerNorm(dim, eps=1e-6)
 
 
 def add_norm(norm: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + y, norm(x + y))``: in one pass where the norm has one (:meth:`LayerNorm.add_norm`)."""
-    fused = getattr(norm, "add_norm", None)
-    if fused is not None:
-        return fused(x, y)
+    """``(x + y, norm(x + y))``: one kernel call where ``norm`` is a :class:`LayerNorm` on the kernels."""
+    if isinstance(norm, LayerNorm) and norm._kernel(x) and y.shape == x.shape and y.dtype == x.dtype:
+        return cpu_kernel.layer_norm(
+            norm.lib, x, norm.weight.detach(), norm.bias.detach(), norm.eps, residual=y
+        )
     total = x + y
     return total, norm(total)
 
